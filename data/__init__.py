@@ -1,0 +1,1 @@
+"""Datasets in, batched tf.data pipelines out. Never imports trainer/ or models/."""

@@ -1,0 +1,1 @@
+"""The training framework: config, devices, the step, the loop."""

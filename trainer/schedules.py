@@ -1,0 +1,64 @@
+"""Learning-rate schedules as functions of the optimizer step.
+
+Every schedule starts with a linear warmup from `floor` to `peak` over
+`warmup_steps` (none when 0), then:
+- constant:     peak
+- exponential:  floor + (peak - floor) * decay_rate ** epochs_since_warmup
+- cosine:       floor + (peak - floor) * (1 + cos(pi * progress)) / 2, to the last step
+- rampup:       the flowers codelab's lrfn: hold the peak for `sustain_steps`, then
+                decay exponentially per epoch towards `floor`
+Epochs here are fractional (step / steps_per_epoch), so the curve is smooth.
+"""
+import math
+
+import keras
+import tensorflow as tf
+
+KINDS = ("constant", "exponential", "cosine", "rampup")
+
+
+class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warmup, then one of KINDS. Serializable via get_config."""
+
+    def __init__(self, kind: str, peak: float, total_steps: int, steps_per_epoch: int,
+                 warmup_steps: int = 0, decay_rate: float = 0.8, sustain_steps: int = 0,
+                 floor: float = 0.0):
+        if kind not in KINDS:
+            raise ValueError(f"unknown lr_schedule {kind!r}; valid: {', '.join(KINDS)}")
+        self.kind, self.peak, self.floor = kind, float(peak), float(floor)
+        self.total_steps, self.steps_per_epoch = int(total_steps), max(1, steps_per_epoch)
+        self.warmup_steps, self.sustain_steps = int(warmup_steps), int(sustain_steps)
+        self.decay_rate = float(decay_rate)
+
+    def _after_warmup(self, steps_since_warmup: tf.Tensor) -> tf.Tensor:
+        span = self.peak - self.floor
+        if self.kind == "constant":
+            return tf.fill(tf.shape(steps_since_warmup), self.peak)
+        if self.kind == "cosine":
+            decay_steps = max(1, self.total_steps - self.warmup_steps)
+            progress = tf.minimum(steps_since_warmup / decay_steps, 1.0)
+            return self.floor + span * 0.5 * (1.0 + tf.cos(math.pi * progress))
+        if self.kind == "rampup":
+            steps_since_warmup = tf.maximum(steps_since_warmup - self.sustain_steps, 0.0)
+        epochs = steps_since_warmup / self.steps_per_epoch
+        return self.floor + span * tf.pow(self.decay_rate, epochs)
+
+    def __call__(self, step) -> tf.Tensor:
+        step = tf.cast(step, tf.float32)
+        warmup = self.floor + (self.peak - self.floor) * step / max(1, self.warmup_steps)
+        after = self._after_warmup(tf.maximum(step - self.warmup_steps, 0.0))
+        return tf.where(step < self.warmup_steps, warmup, after)
+
+    def get_config(self) -> dict:
+        return dict(kind=self.kind, peak=self.peak, total_steps=self.total_steps,
+                    steps_per_epoch=self.steps_per_epoch, warmup_steps=self.warmup_steps,
+                    decay_rate=self.decay_rate, sustain_steps=self.sustain_steps,
+                    floor=self.floor)
+
+
+def sample_points(schedule: WarmupSchedule, num: int = 6) -> list[tuple[int, float]]:
+    """(step, lr) at the start, end of warmup and evenly to the end: for the log."""
+    last = max(0, schedule.total_steps - 1)
+    steps = sorted({0, min(schedule.warmup_steps, last), last,
+                    *(round(last * i / (num - 1)) for i in range(1, num - 1))})
+    return [(s, float(schedule(s))) for s in steps]

@@ -1,0 +1,136 @@
+"""Which devices run the step: strategy selection, TPU fallback, precision and XLA.
+
+The automatic choices, and the measurements behind them (2-core x86 CPU with
+AVX512-BF16, TF 2.21, see BUILD.md "Defaults and the evidence"):
+- XLA: compiled on TPU (always) and GPU; not on the CPU, where jit_compile made the
+  seed convnet's step 4-5x slower than the default oneDNN kernels.
+- Precision: mixed_bfloat16 on TPU (native MXU format); on GPU mixed_bfloat16 from
+  Ampere (compute capability 8) on, mixed_float16 with loss scaling on Volta/Turing;
+  on a CPU with native bf16 instructions mixed_bfloat16 (about 2x faster on the
+  seed convnet here), otherwise float32.
+"""
+import dataclasses
+import os
+
+from absl import logging
+import tensorflow as tf
+
+
+class DeviceError(RuntimeError):
+    """The requested devices are not available; the message says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    strategy: tf.distribute.Strategy
+    device_kind: str  # "tpu", "gpu" or "cpu"
+
+    @property
+    def num_replicas(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    def describe(self) -> str:
+        devices = ", ".join(self.strategy.extended.worker_devices)
+        return (f"{type(self.strategy).__name__} on {self.device_kind.upper()}, "
+                f"{self.num_replicas} replica(s): {devices}")
+
+
+def split_cpu(num_devices: int) -> list[str]:
+    """Splits the host CPU into `num_devices` logical devices (before TF starts).
+
+    If TensorFlow already runs with at least that many logical CPUs (a test process,
+    say), those are reused.
+    """
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices)
+    except RuntimeError:
+        pass  # already initialized; check below that there are enough
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    if len(devices) < num_devices:
+        raise DeviceError(
+            f"TensorFlow already started with {len(devices)} CPU device(s), cannot "
+            f"make {num_devices}: set --cpu_replicas before any TensorFlow op runs")
+    return devices[:num_devices]
+
+
+def _connect_tpu(tpu: str):
+    """Returns a TPUClusterResolver for an initialized TPU system, or None."""
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
+        if tpu != "local":
+            tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+        return resolver
+    except (ValueError, RuntimeError, tf.errors.OpError) as err:
+        logging.info("No TPU at %r: %s", tpu, str(err).splitlines()[0])
+        return None
+
+
+def _tpu_hinted() -> bool:
+    """A TPU is announced locally; never probes the network."""
+    return bool(os.environ.get("TPU_NAME") or tf.config.list_physical_devices("TPU"))
+
+
+def create(strategy: str = "auto", tpu: str | None = None, require_tpu: bool = False,
+           cpu_replicas: int = 1) -> Runtime:
+    """Builds the distribution strategy. See the flag help in trainer/main.py."""
+    cpu_devices = split_cpu(cpu_replicas) if cpu_replicas > 1 else ["/cpu:0"]
+    if strategy == "tpu" or (strategy == "auto" and (tpu or _tpu_hinted())):
+        name = tpu or os.environ.get("TPU_NAME") or "local"
+        resolver = _connect_tpu(name)
+        if resolver is not None:
+            return Runtime(tf.distribute.TPUStrategy(resolver), "tpu")
+        if require_tpu or strategy == "tpu":
+            raise DeviceError(
+                f"no TPU found at --tpu={name}; check the TPU name/address, or drop "
+                f"--require_tpu/--strategy=tpu to fall back to GPUs/CPU")
+        logging.warning("\n%s\n!! NO TPU FOUND at --tpu=%s: FALLING BACK TO GPU/CPU. "
+                        "Pass --require_tpu to make this an error.\n%s",
+                        "!" * 78, name, "!" * 78)
+    gpus = tf.config.list_physical_devices("GPU")
+    kind = "gpu" if gpus else "cpu"
+    if strategy == "multi_worker":
+        if "TF_CONFIG" not in os.environ:
+            raise DeviceError("--strategy=multi_worker needs TF_CONFIG in the environment "
+                              "(python -m trainer.launch sets it up on one machine)")
+        return Runtime(tf.distribute.MultiWorkerMirroredStrategy(), kind)
+    if strategy == "one_device":
+        return Runtime(tf.distribute.OneDeviceStrategy("/gpu:0" if gpus else "/cpu:0"),
+                       kind)
+    if gpus:
+        return Runtime(tf.distribute.MirroredStrategy(), kind)
+    if strategy == "mirrored" or cpu_replicas > 1:
+        return Runtime(tf.distribute.MirroredStrategy(devices=cpu_devices), kind)
+    return Runtime(tf.distribute.OneDeviceStrategy("/cpu:0"), kind)
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_precision(precision: str, device_kind: str) -> str:
+    """The Keras mixed-precision policy name for `--precision` on this device."""
+    if precision != "auto":
+        return precision
+    if device_kind == "tpu":
+        return "mixed_bfloat16"
+    if device_kind == "gpu":
+        details = tf.config.experimental.get_device_details(
+            tf.config.list_physical_devices("GPU")[0])
+        major = details.get("compute_capability", (0, 0))[0]
+        return "mixed_bfloat16" if major >= 8 else (
+            "mixed_float16" if major >= 7 else "float32")
+    return "mixed_bfloat16" if _cpu_has_bf16() else "float32"
+
+
+def resolve_jit(jit_compile: str, device_kind: str) -> bool:
+    if jit_compile == "auto":
+        return device_kind in ("tpu", "gpu")
+    return jit_compile == "true"
