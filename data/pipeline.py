@@ -32,17 +32,20 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
                global_batch_size: int, augment: Callable, normalize: Callable,
                shuffle_buffer: int, seed: int | None = None,
                cache: bool = True) -> tf.data.Dataset:
-    """shard -> cache -> shuffle -> repeat -> augment -> normalize -> batch -> prefetch."""
+    """shard -> cache -> shuffle -> repeat -> batch -> augment+normalize -> prefetch.
+
+    `augment` and `normalize` take whole batches (see data/augment.py).
+    """
     batch = per_replica_batch_size(global_batch_size, context)
     ds = _shard(ds, context)
     if cache:
         ds = ds.cache()  # decoded uint8 images: decoding happens once, not every epoch
     if shuffle_buffer > 1:
         ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-    ds = ds.repeat()
-    ds = ds.map(lambda image, label: normalize(*augment(image, label)),
+    ds = ds.repeat().batch(batch, drop_remainder=True)
+    ds = ds.map(lambda images, labels: normalize(*augment(images, labels)),
                 num_parallel_calls=AUTOTUNE)
-    return ds.batch(batch, drop_remainder=True).prefetch(AUTOTUNE)
+    return ds.prefetch(AUTOTUNE)
 
 
 def eval_steps(num_examples: int, global_batch_size: int) -> int:
