@@ -77,7 +77,12 @@ def load_tfds(name: str, split: str, data_dir: str | None = None,
             f"dataset {name!r} split {split!r} not found in {where} and not downloaded: "
             f"pass --data_dir=DIR or set TFDS_DATA_DIR to a prepared TFDS data dir "
             f"(or add --download_data where the network allows)") from err
-    num_examples = info.splits[split].num_examples
+    try:
+        num_examples = info.splits[split].num_examples
+    except KeyError:  # no split metadata (e.g. tfds.testing.mock_data): count
+        num_examples = int(ds.cardinality())
+        if num_examples < 0:
+            num_examples = int(ds.reduce(0, lambda count, *_: count + 1))
     ds = ds.map(lambda image, label: (image, tf.cast(label, tf.int32)))
     return ds, int(num_examples)
 

@@ -141,7 +141,7 @@ def train_and_evaluate(config: Config) -> dict:
     _log_setup(config, runtime, plan, precision, jit, schedule, model)
     restored = checkpoints.restore_latest(checkpoint, config.model_dir)
     if restored:
-        logging.info("Resumed from %s at step %d", restored, int(step_var))
+        logging.info("Resumed from %s at step %d", restored, int(step_var.numpy()))
     manager = checkpoints.make_manager(config.model_dir, checkpoint,
                                        config.keep_checkpoints, is_chief, task_id)
     train_dataset, eval_dataset = _distributed_datasets(config, spec, strategy, plan)

@@ -25,7 +25,8 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
                global_batch_size: int) -> dict[str, tf.Tensor]:
     """Forward, loss, gradients, update, on one replica."""
     with tf.GradientTape() as tape:
-        logits = model(images, training=True)
+        # float32 logits for the loss, whatever the mixed-precision policy.
+        logits = tf.cast(model(images, training=True), tf.float32)
         per_example_loss = keras.losses.sparse_categorical_crossentropy(
             labels, logits, from_logits=True)
         # Divide by the GLOBAL batch size, not this replica's: the replicas' gradients
@@ -48,7 +49,7 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
 def eval_step(model: keras.Model, images: tf.Tensor, labels: tf.Tensor,
               mask: tf.Tensor) -> dict[str, tf.Tensor]:
     """Loss and accuracy sums on one replica; padded examples (mask 0) count 0."""
-    logits = model(images, training=False)
+    logits = tf.cast(model(images, training=False), tf.float32)
     per_example_loss = keras.losses.sparse_categorical_crossentropy(
         labels, logits, from_logits=True)
     return _sums(per_example_loss, logits, labels, tf.cast(mask, tf.float32))

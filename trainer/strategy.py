@@ -10,6 +10,7 @@ AVX512-BF16, TF 2.21, see BUILD.md "Defaults and the evidence"):
   seed convnet here), otherwise float32.
 """
 import dataclasses
+import functools
 import os
 
 from absl import logging
@@ -53,6 +54,17 @@ def split_cpu(num_devices: int) -> list[str]:
             f"TensorFlow already started with {len(devices)} CPU device(s), cannot "
             f"make {num_devices}: set --cpu_replicas before any TensorFlow op runs")
     return devices[:num_devices]
+
+
+@functools.lru_cache(maxsize=None)
+def mirrored(devices: tuple[str, ...] | None = None) -> tf.distribute.MirroredStrategy:
+    """One MirroredStrategy per device set and process.
+
+    Two MirroredStrategy objects in one process (a notebook running two trainings, a
+    test session) can reuse each other's collective keys and fail with "Shape mismatch
+    in the collective instance"; sharing the object avoids that.
+    """
+    return tf.distribute.MirroredStrategy(devices=list(devices) if devices else None)
 
 
 def _connect_tpu(tpu: str):
@@ -100,9 +112,9 @@ def create(strategy: str = "auto", tpu: str | None = None, require_tpu: bool = F
         return Runtime(tf.distribute.OneDeviceStrategy("/gpu:0" if gpus else "/cpu:0"),
                        kind)
     if gpus:
-        return Runtime(tf.distribute.MirroredStrategy(), kind)
+        return Runtime(mirrored(), kind)
     if strategy == "mirrored" or cpu_replicas > 1:
-        return Runtime(tf.distribute.MirroredStrategy(devices=cpu_devices), kind)
+        return Runtime(mirrored(tuple(cpu_devices)), kind)
     return Runtime(tf.distribute.OneDeviceStrategy("/cpu:0"), kind)
 
 

@@ -1,0 +1,45 @@
+"""Shared fixtures. Two logical CPU devices are made once, before TensorFlow starts,
+so MirroredStrategy can run 2 replicas on any machine."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from trainer.config import Config  # noqa: E402
+
+_CPU = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    _CPU, [tf.config.LogicalDeviceConfiguration()] * 2)
+CPUS = [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+@pytest.fixture(autouse=True)
+def _float32_policy():
+    """Runs that set a mixed-precision policy must not leak it into other tests."""
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.fixture(params=["one_device", "mirrored"])
+def strategy(request) -> tf.distribute.Strategy:
+    if request.param == "one_device":
+        return tf.distribute.OneDeviceStrategy(CPUS[0])
+    return mirrored()
+
+
+def mirrored() -> tf.distribute.MirroredStrategy:
+    """The process-wide 2-CPU MirroredStrategy the trainer itself uses."""
+    from trainer import strategy as strategy_lib
+    return strategy_lib.mirrored(tuple(CPUS[:2]))
+
+
+@pytest.fixture
+def tiny_config(tmp_path) -> Config:
+    """A few steps of the tiny convnet on generated data: seconds, no files."""
+    return Config(model="cifar_cnn", model_size="tiny", dataset="synthetic",
+                  model_dir=str(tmp_path / "run"), batch_size=16, train_steps=4,
+                  steps_per_loop=2, log_every=2, eval_every=4, checkpoint_every=2,
+                  precision="float32", shuffle_buffer=64)

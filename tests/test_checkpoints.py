@@ -1,0 +1,62 @@
+"""Checkpoints: save/restore, resume, and never clobbering another run."""
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import models
+from trainer import checkpoints, loop, optimizers
+
+
+def _state(seed):
+    tf.keras.utils.set_random_seed(seed)
+    model = models.build("cifar_cnn", 10, (32, 32, 3), tiny=True)
+    optimizer = optimizers.create("adam", 1e-3, model.trainable_variables)
+    step = tf.Variable(0, dtype=tf.int64)
+    return model, optimizer, step, tf.train.Checkpoint(model=model, optimizer=optimizer,
+                                                        step=step)
+
+
+def test_save_and_restore_into_a_fresh_model(tmp_path):
+    model, optimizer, step, ckpt = _state(seed=1)
+    optimizer.iterations.assign(7)
+    step.assign(7)
+    manager = checkpoints.make_manager(str(tmp_path), ckpt, keep=2)
+    manager.save(checkpoint_number=7)
+    fresh, fresh_opt, fresh_step, fresh_ckpt = _state(seed=2)
+    kernel = lambda m: next(w for w in m.get_weights() if w.ndim == 4)  # noqa: E731
+    assert not np.allclose(kernel(fresh), kernel(model))
+    assert checkpoints.restore_latest(fresh_ckpt, str(tmp_path)).endswith("ckpt-7")
+    for a, b in zip(model.get_weights(), fresh.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert int(fresh_step) == 7 and int(fresh_opt.iterations) == 7
+
+
+def test_run_resumes_and_continues_the_step_count(tiny_config):
+    first = loop.train_and_evaluate(tiny_config)
+    assert first["steps"] == 4 and first["resumed_from_step"] == 0
+    second = loop.train_and_evaluate(tiny_config.replace(train_steps=8))
+    assert second["resumed_from_step"] == 4 and second["steps"] == 8
+    assert tf.train.latest_checkpoint(tiny_config.model_dir).endswith("ckpt-8")
+
+
+def _snapshot(directory):
+    return {name: open(os.path.join(directory, name), "rb").read()
+            for name in sorted(os.listdir(directory))}
+
+
+def test_model_dir_of_another_model_is_refused_untouched(tiny_config):
+    loop.train_and_evaluate(tiny_config)
+    before = _snapshot(tiny_config.model_dir)
+    other = tiny_config.replace(model_size="full", train_steps=8)
+    with pytest.raises(checkpoints.CheckpointError, match="holds a run with model_size"):
+        loop.train_and_evaluate(other)
+    assert _snapshot(tiny_config.model_dir) == before
+
+
+def test_unwritable_model_dir_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(checkpoints.CheckpointError, match="choose a writable directory"):
+        checkpoints.prepare_model_dir(str(blocker / "run"), {"model": "x"})

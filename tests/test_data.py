@@ -1,0 +1,128 @@
+"""Sources, augmentation and the input pipelines."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from data import augment, pipeline, sources
+
+
+def _indexed(n: int, size: int = 8) -> tf.data.Dataset:
+    """Image i is filled with the value i % 256; label i. Lets tests track examples."""
+    return tf.data.Dataset.range(n).map(lambda i: (
+        tf.fill((size, size, 3), tf.cast(i % 256, tf.uint8)), tf.cast(i, tf.int32)))
+
+
+def _context(pipelines=1, pipeline_id=0, replicas=1):
+    return tf.distribute.InputContext(pipelines, pipeline_id, replicas)
+
+
+def _identity_normalize(images, labels):
+    return tf.cast(images, tf.float32), labels
+
+
+def test_pad_crop_flip_keeps_shape_dtype_and_content_eager_and_in_map():
+    images = tf.random.uniform((6, 8, 8, 3), 0, 255, tf.int32)
+    images = tf.cast(images, tf.uint8)
+    out, labels = augment.pad_crop_flip(images, tf.range(6))
+    assert out.shape == images.shape and out.dtype == tf.uint8
+    assert labels.numpy().tolist() == list(range(6))
+    # Every output pixel is either padding (0) or a pixel of the same input image.
+    for src, dst in zip(images.numpy(), out.numpy()):
+        assert set(np.unique(dst)) <= set(np.unique(src)) | {0}
+    mapped = tf.data.Dataset.from_tensors((images, tf.range(6))).map(augment.pad_crop_flip)
+    assert next(iter(mapped))[0].shape == images.shape
+
+
+def test_pad_crop_flip_varies_per_image():
+    image = tf.reshape(tf.range(8 * 8 * 3, dtype=tf.int32) % 250, (1, 8, 8, 3))
+    images = tf.cast(tf.tile(image, [64, 1, 1, 1]), tf.uint8)
+    out, _ = augment.pad_crop_flip(images, tf.zeros(64, tf.int32))
+    distinct = {o.tobytes() for o in out.numpy()}
+    assert len(distinct) > 10  # 81 offsets x 2 flips
+
+
+def test_normalize_standardizes_per_channel():
+    normalize = augment.make_normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    images, _ = normalize(tf.fill((2, 2, 2, 3), tf.constant(255, tf.uint8)), None)
+    np.testing.assert_allclose(images.numpy(), 2.0, rtol=1e-6)
+
+
+def test_train_pipeline_shapes_dtypes_and_drop_remainder():
+    ds = pipeline.make_train(_indexed(20), _context(replicas=2), 8,
+                             augment.pad_crop_flip, _identity_normalize, shuffle_buffer=20)
+    images, labels = next(iter(ds))
+    assert images.shape == (4, 8, 8, 3) and images.dtype == tf.float32
+    assert labels.shape == (4,) and labels.dtype == tf.int32
+
+
+def test_global_batch_must_divide_by_replicas():
+    with pytest.raises(ValueError, match="does not divide by the 3 replicas"):
+        pipeline.make_train(_indexed(20), _context(replicas=3), 8, augment.identity,
+                            _identity_normalize, shuffle_buffer=0)
+
+
+def test_augmentation_only_on_training():
+    eval_ds = pipeline.make_eval(_indexed(10), 10, _context(), 4, _identity_normalize)
+    for images, labels, mask in eval_ds:
+        for image, label, m in zip(images.numpy(), labels.numpy(), mask.numpy()):
+            if m:  # real examples come back exactly as they went in
+                assert np.all(image == label % 256)
+    train_ds = pipeline.make_train(_indexed(64), _context(), 64, augment.pad_crop_flip,
+                                   _identity_normalize, shuffle_buffer=0)
+    images, labels = next(iter(train_ds))
+    padded = [np.any(img == 0) for img, lab in zip(images.numpy(), labels.numpy())
+              if lab % 256]
+    assert any(padded)  # crops reach into the zero padding
+
+
+def test_train_shards_are_disjoint_and_cover_the_data():
+    seen = []
+    for pipeline_id in range(2):
+        ds = pipeline.make_train(_indexed(40), _context(2, pipeline_id, 2), 4,
+                                 augment.identity, _identity_normalize, shuffle_buffer=40)
+        labels = np.concatenate([lab.numpy() for _, lab in ds.take(10)])
+        seen.append(set(labels.tolist()))
+    assert not seen[0] & seen[1]
+    assert seen[0] | seen[1] == set(range(40))
+
+
+@pytest.mark.parametrize("n,batch,pipelines", [(37, 8, 1), (37, 8, 2), (10, 4, 2),
+                                               (5, 16, 1), (64, 16, 2)])
+def test_eval_counts_every_example_exactly_once(n, batch, pipelines):
+    counted = []
+    steps = set()
+    for pipeline_id in range(pipelines):
+        ds = pipeline.make_eval(_indexed(n), n, _context(pipelines, pipeline_id, pipelines),
+                                batch, _identity_normalize)
+        batches = list(ds)
+        steps.add(len(batches))
+        for _, labels, mask in batches:
+            counted += labels.numpy()[mask.numpy() == 1].tolist()
+            assert labels.shape[0] == batch // pipelines  # static, full batches
+    assert sorted(counted) == list(range(n))
+    assert steps == {pipeline.eval_steps(n, batch)}  # every worker runs as many steps
+
+
+def test_synthetic_data_is_deterministic_and_labelled():
+    spec = sources.get_spec("synthetic")
+    ds, n = sources.load(spec, spec.train_split)
+    assert n == spec.synthetic_sizes[0]
+    first = [(i.numpy(), lab.numpy()) for i, lab in ds.take(3)]
+    again = [(i.numpy(), lab.numpy()) for i, lab in ds.take(3)]
+    for (a, la), (b, lb) in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+        assert la == lb and 0 <= la < spec.num_classes
+    assert first[0][0].shape == spec.image_shape and first[0][0].dtype == np.uint8
+
+
+def test_unknown_dataset_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="valid: cifar10, synthetic"):
+        sources.get_spec("imagenet")
+
+
+def test_missing_tfds_data_is_a_one_line_error(tmp_path):
+    with pytest.raises(sources.DatasetError) as err:
+        sources.load_tfds("cifar10", "train", data_dir=str(tmp_path))
+    message = str(err.value)
+    assert "\n" not in message and "cifar10" in message and "--data_dir" in message
+    assert str(tmp_path) in message

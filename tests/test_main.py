@@ -1,0 +1,123 @@
+"""trainer.main end to end: the command line, bad input, real and mocked TFDS data."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from data import augment, pipeline, sources
+import models
+from trainer import loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--model_size=tiny", "--dataset=synthetic", "--batch_size=16", "--train_steps=4",
+        "--steps_per_loop=2", "--log_every=2", "--precision=float32"]
+REQUIRED_FLAGS = ("model", "dataset", "data_dir", "model_dir", "batch_size", "epochs",
+                  "train_steps", "optimizer", "learning_rate", "lr_schedule",
+                  "warmup_epochs", "weight_decay", "tpu", "strategy", "cpu_replicas",
+                  "jit_compile", "precision", "steps_per_loop", "log_every", "eval_every",
+                  "checkpoint_every", "seed")
+
+
+def _main(*args, timeout=300):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.run([sys.executable, "-m", "trainer.main", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_trains_and_writes_weights_and_metrics(tmp_path):
+    result = _main(*TINY, f"--model_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    for text in ("Strategy: OneDeviceStrategy", "per replica", "precision float32",
+                 "XLA off", "step 4/4", "ETA", "test accuracy"):
+        assert text in result.stderr
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    for key in ("test_accuracy", "test_examples", "train_seconds", "images_per_second",
+                "steps", "epochs", "model", "dataset", "strategy", "replicas",
+                "precision", "jit_compile"):
+        assert key in metrics
+    assert metrics["test_examples"] == 2000 and metrics["steps"] == 4
+    assert (tmp_path / "model.weights.h5").exists()
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--model=resnet9", "unknown model 'resnet9'; valid: cifar_cnn"),
+    ("--dataset=mnist", "unknown dataset 'mnist'; valid: cifar10, synthetic"),
+    ("--optimizer=lion", "unknown optimizer 'lion'; valid: adam, adamw, sgd"),
+    ("--precision=fp8", "unknown precision 'fp8'"),
+    ("--lr_schedule=linear", "unknown lr_schedule 'linear'"),
+    ("--strategy=ps", "unknown strategy 'ps'"),
+    ("--cpu_replicas=3", "does not divide by --cpu_replicas=3"),
+])
+def test_bad_input_is_one_line_and_exit_status_2(tmp_path, flag, message):
+    result = _main(*TINY, f"--model_dir={tmp_path}", flag)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert not (tmp_path / "checkpoint").exists()
+
+
+def test_tpu_local_falls_back_with_a_warning_unless_required(tmp_path):
+    result = _main(*TINY, "--train_steps=2", "--tpu=local", f"--model_dir={tmp_path}/a")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "NO TPU FOUND" in result.stderr
+    result = _main(*TINY, "--tpu=local", "--require_tpu", f"--model_dir={tmp_path}/b")
+    assert result.returncode == 2 and "no TPU found at --tpu=local" in result.stderr
+
+
+def test_helpfull_documents_every_flag_with_its_default():
+    result = _main("--helpfull")  # absl exits with status 1 after printing help
+    for name in REQUIRED_FLAGS:
+        assert f"--{name}" in result.stdout
+    assert "(default: '1024')" in result.stdout
+
+
+def _eval_accuracy(model, spec, data_dir=None):
+    ds, n = sources.load(spec, spec.eval_split, data_dir)
+    ds = pipeline.make_eval(ds, n, tf.distribute.InputContext(), 100,
+                            augment.make_normalize(spec.mean, spec.std))
+    correct = count = 0.0
+    for images, labels, mask in ds:
+        hits = np.argmax(model(images, training=False), -1) == labels.numpy()
+        correct += float(np.sum(hits * mask.numpy()))
+        count += float(np.sum(mask.numpy()))
+    return correct / count
+
+
+def test_saved_weights_rebuild_the_trained_model_on_cpu(tiny_config):
+    metrics = loop.train_and_evaluate(tiny_config.replace(train_steps=40, eval_every=40))
+    spec = sources.get_spec("synthetic")
+    fresh = models.build("cifar_cnn", spec.num_classes, spec.image_shape, tiny=True)
+    fresh.load_weights(os.path.join(tiny_config.model_dir, "model.weights.h5"))
+    assert _eval_accuracy(fresh, spec) == pytest.approx(metrics["test_accuracy"], abs=1e-6)
+
+
+def test_two_cpu_replicas_train_end_to_end(tiny_config):
+    metrics = loop.train_and_evaluate(tiny_config.replace(cpu_replicas=2))
+    assert metrics["replicas"] == 2 and metrics["strategy"] == "MirroredStrategy"
+    assert metrics["test_examples"] == 2000 and metrics["per_replica_batch_size"] == 8
+
+
+def test_cifar10_under_tfds_mock_data(tiny_config):
+    import tensorflow_datasets as tfds
+    with tfds.testing.mock_data(num_examples=50, policy=tfds.testing.MockPolicy.USE_CODE):
+        metrics = loop.train_and_evaluate(tiny_config.replace(dataset="cifar10",
+                                                              data_dir=None))
+    assert metrics["dataset"] == "cifar10" and metrics["steps"] == 4
+    assert metrics["test_examples"] == 50
+
+
+def test_real_cifar10_from_tfds_data_dir(tiny_config):
+    data_dir = os.environ.get("TFDS_DATA_DIR")
+    if not data_dir or not os.path.isdir(os.path.join(data_dir, "cifar10")):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must have real CIFAR-10 in TFDS_DATA_DIR={data_dir!r}")
+        pytest.skip("real CIFAR-10 not in TFDS_DATA_DIR")
+    metrics = loop.train_and_evaluate(tiny_config.replace(
+        dataset="cifar10", batch_size=64, shuffle_buffer=256, train_steps=2))
+    assert metrics["test_examples"] == 10_000  # every test image, exactly once
+    assert 0.0 <= metrics["test_accuracy"] <= 1.0
