@@ -102,22 +102,34 @@ def test_two_cpu_replicas_train_end_to_end(tiny_config):
     assert metrics["test_examples"] == 2000 and metrics["per_replica_batch_size"] == 8
 
 
-def test_cifar10_under_tfds_mock_data(tiny_config):
+def _main_in_process(*args) -> dict:
+    """trainer.main's own flag parsing and main(), in this process; returns metrics."""
+    from absl.testing import flagsaver
+    from trainer import main as main_lib
+    with flagsaver.flagsaver():
+        main_lib.FLAGS(["trainer.main", *args])
+        main_lib.main(["trainer.main"])
+        model_dir = main_lib.FLAGS.model_dir
+    with open(os.path.join(model_dir, "metrics.json")) as f:
+        return json.load(f)
+
+
+def test_main_on_cifar10_under_tfds_mock_data(tmp_path):
     import tensorflow_datasets as tfds
     with tfds.testing.mock_data(num_examples=50, policy=tfds.testing.MockPolicy.USE_CODE):
-        metrics = loop.train_and_evaluate(tiny_config.replace(dataset="cifar10",
-                                                              data_dir=None))
+        metrics = _main_in_process(*TINY, "--dataset=cifar10", f"--model_dir={tmp_path}")
     assert metrics["dataset"] == "cifar10" and metrics["steps"] == 4
     assert metrics["test_examples"] == 50
 
 
-def test_real_cifar10_from_tfds_data_dir(tiny_config):
+def test_main_on_real_cifar10_from_tfds_data_dir(tmp_path):
     data_dir = os.environ.get("TFDS_DATA_DIR")
     if not data_dir or not os.path.isdir(os.path.join(data_dir, "cifar10")):
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI must have real CIFAR-10 in TFDS_DATA_DIR={data_dir!r}")
         pytest.skip("real CIFAR-10 not in TFDS_DATA_DIR")
-    metrics = loop.train_and_evaluate(tiny_config.replace(
-        dataset="cifar10", batch_size=64, shuffle_buffer=256, train_steps=2))
+    metrics = _main_in_process(*TINY, "--dataset=cifar10", "--batch_size=64",
+                               "--shuffle_buffer=256", "--train_steps=2",
+                               f"--model_dir={tmp_path}")
     assert metrics["test_examples"] == 10_000  # every test image, exactly once
     assert 0.0 <= metrics["test_accuracy"] <= 1.0

@@ -4,14 +4,15 @@
 read from this object (or plain arguments), never flags.
 """
 import dataclasses
-import json
 from typing import Any
+
+from trainer import optimizers, schedules
 
 STRATEGIES = ("auto", "tpu", "mirrored", "multi_worker", "one_device")
 PRECISIONS = ("auto", "float32", "mixed_bfloat16", "mixed_float16")
 JIT_CHOICES = ("auto", "true", "false")
-OPTIMIZERS = ("adam", "adamw", "sgd")
-SCHEDULES = ("constant", "exponential", "cosine", "rampup")
+OPTIMIZERS = optimizers.NAMES
+SCHEDULES = schedules.KINDS
 
 
 class ConfigError(ValueError):
@@ -26,7 +27,7 @@ class Config:
     dataset: str = "cifar10"
     data_dir: str | None = None         # None: TFDS_DATA_DIR or the TFDS default
     download_data: bool = False
-    model_dir: str = "/tmp/tfloop"
+    model_dir: str = ""                 # "": runs/<model>_<dataset>
     batch_size: int = 1024              # global, summed over all replicas
     epochs: int = 50
     train_steps: int = 0                # > 0 overrides epochs
@@ -53,8 +54,8 @@ class Config:
     shuffle_buffer: int = 10_000
     seed: int = 0
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -83,11 +84,11 @@ def validate(config: Config, model_names, dataset_names) -> Config:
     _check_choice("strategy", config.strategy, STRATEGIES)
     _check_choice("jit_compile", config.jit_compile, JIT_CHOICES)
     for name in ("batch_size", "learning_rate", "steps_per_loop", "cpu_replicas",
-                              "keep_checkpoints"):
+                 "keep_checkpoints"):
         _check_positive(name, getattr(config, name))
     for name in ("epochs", "train_steps", "warmup_epochs", "weight_decay",
-                              "sustain_epochs", "min_learning_rate", "log_every", "eval_every",
-                              "checkpoint_every", "shuffle_buffer"):
+                 "sustain_epochs", "min_learning_rate", "log_every", "eval_every",
+                 "checkpoint_every", "shuffle_buffer"):
         _check_positive(name, getattr(config, name), allow_zero=True)
     if config.epochs == 0 and config.train_steps == 0:
         raise ConfigError("nothing to train: set --epochs or --train_steps above 0")

@@ -126,7 +126,7 @@ def train_and_evaluate(config: Config) -> dict:
     precision = strategy_lib.resolve_precision(config.precision, runtime.device_kind)
     jit = strategy_lib.resolve_jit(config.jit_compile, runtime.device_kind)
     is_chief, task_id = _worker_role(strategy)
-    checkpoints.prepare_model_dir(config.model_dir, json_config(config), is_chief)
+    checkpoints.prepare_model_dir(config.model_dir, config.as_dict(), is_chief)
     keras.mixed_precision.set_global_policy(precision)
     keras.utils.set_random_seed(config.seed)
     spec = sources.get_spec(config.dataset)
@@ -145,9 +145,11 @@ def train_and_evaluate(config: Config) -> dict:
     manager = checkpoints.make_manager(config.model_dir, checkpoint,
                                        config.keep_checkpoints, is_chief, task_id)
     train_dataset, eval_dataset = _distributed_datasets(config, spec, strategy, plan)
+    # On a TPU every step is XLA-compiled anyway; an inner jit_compile is redundant.
+    wrap_jit = jit and runtime.device_kind != "tpu"
     train_loop = distributed.make_train_loop(strategy, model, optimizer,
-                                             config.batch_size, jit)
-    eval_loop = distributed.make_eval_loop(strategy, model, jit)
+                                             config.batch_size, wrap_jit)
+    eval_loop = distributed.make_eval_loop(strategy, model, wrap_jit)
     context = dict(runtime=runtime, precision=precision, jit=jit, plan=plan,
                    is_chief=is_chief)
     history = _run(config, plan, iter(train_dataset), train_loop,
@@ -158,10 +160,6 @@ def train_and_evaluate(config: Config) -> dict:
 
 class TrainingDivergedError(RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
-
-
-def json_config(config: Config) -> dict:
-    return dataclasses.asdict(config)
 
 
 def _run(config: Config, plan: Plan, train_iterator, train_loop, evaluate, step_var,

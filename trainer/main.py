@@ -28,8 +28,9 @@ flags.DEFINE_string("data_dir", _D.data_dir,
 flags.DEFINE_bool("download_data", _D.download_data,
                   "Let TFDS download and prepare a missing dataset (needs network).")
 flags.DEFINE_string("model_dir", _D.model_dir,
-                    "Checkpoints, run_config.json, model.weights.h5, metrics.json. A "
-                    "run on a directory with a checkpoint resumes from it.")
+                    "Checkpoints, run_config.json, model.weights.h5, metrics.json "
+                    "(default: runs/<model>_<dataset>). A run on a directory with a "
+                    "checkpoint resumes from it.")
 flags.DEFINE_integer("batch_size", _D.batch_size,
                      "GLOBAL batch size, split evenly across all replicas.")
 flags.DEFINE_integer("epochs", _D.epochs, "Epochs to train (see --train_steps).")
@@ -89,6 +90,8 @@ def config_from_flags(flag_values=FLAGS) -> config_lib.Config:
     """Builds and validates the frozen Config from parsed flags."""
     values = {f.name: flag_values[f.name].value
               for f in dataclasses.fields(config_lib.Config)}
+    values["model_dir"] = values["model_dir"] or os.path.join(
+        "runs", f"{values['model']}_{values['dataset']}")
     return config_lib.validate(config_lib.Config(**values), models.names(),
                                sources.names())
 
