@@ -29,12 +29,30 @@ def pad_crop_flip(images: tf.Tensor, labels: tf.Tensor, pad: int = 4) -> Batch:
     return tf.gather(images, cols, axis=2, batch_dims=1), labels
 
 
+def flip_saturation(images: tf.Tensor, labels: tf.Tensor) -> Batch:
+    """The flowers codelab's augmentation: random left-right flip and a random
+    saturation factor in [0, 2] per image (0: grey, 1: unchanged, 2: doubled).
+
+    Saturation is a blend with the image's grey version (as PIL's ImageEnhance.Color),
+    which is one multiply-add per pixel for the whole batch.
+    """
+    batch = tf.shape(images)[0]
+    flip = tf.random.uniform([batch, 1, 1, 1]) < 0.5
+    images = tf.where(flip, tf.reverse(images, axis=[2]), images)
+    pixels = tf.cast(images, tf.float32)
+    grey = tf.image.rgb_to_grayscale(pixels)
+    factor = tf.random.uniform([batch, 1, 1, 1], 0.0, 2.0)
+    pixels = grey + factor * (pixels - grey)
+    return tf.cast(tf.round(tf.clip_by_value(pixels, 0.0, 255.0)), tf.uint8), labels
+
+
 def identity(images: tf.Tensor, labels: tf.Tensor) -> Batch:
     return images, labels
 
 
 TRAIN_AUGMENTATIONS: dict[str, Callable[..., Batch]] = {
     "pad_crop_flip": pad_crop_flip,
+    "flip_saturation": flip_saturation,
     "none": identity,
 }
 
@@ -48,3 +66,12 @@ def make_normalize(mean, std) -> Callable[..., Batch]:
         return (tf.cast(images, tf.float32) - mean) / std, labels
 
     return normalize
+
+
+def make_resize(size: int) -> Callable[..., Batch]:
+    """Per example, before caching: any size -> size x size uint8 (bilinear, the
+    aspect ratio is not kept, as in the codelab's TFRecords)."""
+    def resize(image: tf.Tensor, label: tf.Tensor) -> Batch:
+        image = tf.image.resize(image, (size, size), antialias=True)
+        return tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8), label
+    return resize

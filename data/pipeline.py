@@ -31,15 +31,25 @@ def _shard(ds: tf.data.Dataset, context: tf.distribute.InputContext) -> tf.data.
 def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
                global_batch_size: int, augment: Callable, normalize: Callable,
                shuffle_buffer: int, seed: int | None = None,
-               cache: bool = True) -> tf.data.Dataset:
-    """shard -> cache -> shuffle -> repeat -> batch -> augment+normalize -> prefetch.
+               cache: bool = True, prepare: Callable | None = None,
+               num_examples: int | None = None, shard: bool = True) -> tf.data.Dataset:
+    """shard -> prepare -> cache -> shuffle -> repeat -> batch -> augment+normalize
+    -> prefetch.
 
+    `prepare` runs per example before the cache (decode-time work such as resizing);
     `augment` and `normalize` take whole batches (see data/augment.py).
+    shard=False: `ds` is already this worker's shard (data.sources.load(context=...)).
     """
     batch = per_replica_batch_size(global_batch_size, context)
-    ds = _shard(ds, context)
+    if shard:
+        ds = _shard(ds, context)
+    if prepare is not None:
+        ds = ds.map(prepare, num_parallel_calls=AUTOTUNE)
     if cache:
         ds = ds.cache()  # decoded uint8 images: decoding happens once, not every epoch
+    if num_examples:  # a buffer beyond the shard only delays the first batch
+        shuffle_buffer = min(shuffle_buffer,
+                             math.ceil(num_examples / context.num_input_pipelines))
     if shuffle_buffer > 1:
         ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
     ds = ds.repeat().batch(batch, drop_remainder=True)
@@ -55,7 +65,8 @@ def eval_steps(num_examples: int, global_batch_size: int) -> int:
 
 def make_eval(ds: tf.data.Dataset, num_examples: int,
               context: tf.distribute.InputContext, global_batch_size: int,
-              normalize: Callable, cache: bool = True) -> tf.data.Dataset:
+              normalize: Callable, cache: bool = True,
+              prepare: Callable | None = None) -> tf.data.Dataset:
     """Exact evaluation: yields (image, label, mask); padded examples have mask 0.
 
     Every input worker yields the same number of full batches (static shapes, as TPUs
@@ -65,6 +76,8 @@ def make_eval(ds: tf.data.Dataset, num_examples: int,
     per_pipeline = eval_steps(num_examples, global_batch_size) * (
         global_batch_size // context.num_input_pipelines)
     ds = _shard(ds, context)
+    if prepare is not None:
+        ds = ds.map(prepare, num_parallel_calls=AUTOTUNE)
     ds = ds.map(lambda image, label: (*normalize(image, label), tf.constant(1.0)),
                 num_parallel_calls=AUTOTUNE)
     if cache:

@@ -116,7 +116,7 @@ def test_synthetic_data_is_deterministic_and_labelled():
 
 
 def test_unknown_dataset_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="valid: cifar10, synthetic"):
+    with pytest.raises(ValueError, match="valid: cifar10, synthetic, tf_flowers"):
         sources.get_spec("imagenet")
 
 
@@ -126,3 +126,38 @@ def test_missing_tfds_data_is_a_one_line_error(tmp_path):
     message = str(err.value)
     assert "\n" not in message and "cifar10" in message and "--data_dir" in message
     assert str(tmp_path) in message
+
+
+def test_holdout_split_is_disjoint_stable_and_complete():
+    ds = _indexed(200).map(lambda image, label: (image, label, tf.cast(label, tf.int64)))
+    held, n_held = sources.holdout(ds, 200, 0.15, validation=True)
+    rest, n_rest = sources.holdout(ds, 200, 0.15, validation=False)
+    held_labels = [int(label) for _, label in held]
+    rest_labels = [int(label) for _, label in rest]
+    assert n_held == len(held_labels) and n_rest == len(rest_labels)
+    assert not set(held_labels) & set(rest_labels)
+    assert sorted(held_labels + rest_labels) == list(range(200))
+    assert 20 <= n_held <= 40  # about 15%
+    again = [int(label) for _, label in sources.holdout(ds, 200, 0.15, True)[0]]
+    assert again == held_labels
+
+
+def test_tf_flowers_validation_split_sizes():
+    spec = sources.get_spec("tf_flowers")
+    assert sources.in_holdout(np.arange(3670, dtype=np.int64), 0.15).sum() == 551
+    assert spec.num_classes == 5 and spec.eval_split == "validation"
+
+
+def test_flip_saturation_keeps_grey_pixels_and_shape():
+    grey = tf.fill((4, 6, 6, 3), tf.constant(100, tf.uint8))
+    out, _ = augment.flip_saturation(grey, tf.zeros(4, tf.int32))
+    np.testing.assert_array_equal(out.numpy(), grey.numpy())  # no colour to scale
+    colour = tf.cast(tf.random.uniform((64, 6, 6, 3), 0, 255, tf.int32), tf.uint8)
+    out, _ = augment.flip_saturation(colour, tf.zeros(64, tf.int32))
+    assert out.dtype == tf.uint8 and out.shape == colour.shape
+    assert not np.array_equal(out.numpy(), colour.numpy())
+
+
+def test_resize_makes_any_image_square_uint8():
+    image, label = augment.make_resize(24)(tf.zeros((50, 70, 3), tf.uint8), 3)
+    assert image.shape == (24, 24, 3) and image.dtype == tf.uint8 and label == 3

@@ -44,8 +44,8 @@ def test_cli_trains_and_writes_weights_and_metrics(tmp_path):
 
 
 @pytest.mark.parametrize("flag,message", [
-    ("--model=resnet9", "unknown model 'resnet9'; valid: cifar_cnn"),
-    ("--dataset=mnist", "unknown dataset 'mnist'; valid: cifar10, synthetic"),
+    ("--model=resnet9", "unknown model 'resnet9'; valid: cifar_cnn, convnet"),
+    ("--dataset=mnist", "unknown dataset 'mnist'; valid: cifar10, synthetic, tf_flowers"),
     ("--optimizer=lion", "unknown optimizer 'lion'; valid: adam, adamw, sgd"),
     ("--precision=fp8", "unknown precision 'fp8'"),
     ("--lr_schedule=linear", "unknown lr_schedule 'linear'"),
@@ -133,3 +133,40 @@ def test_main_on_real_cifar10_from_tfds_data_dir(tmp_path):
                                f"--model_dir={tmp_path}")
     assert metrics["test_examples"] == 10_000  # every test image, exactly once
     assert 0.0 <= metrics["test_accuracy"] <= 1.0
+
+
+def test_recipe_defaults_yield_to_explicit_flags():
+    from absl.testing import flagsaver
+    from trainer import main as main_lib
+    with flagsaver.flagsaver():
+        main_lib.FLAGS(["trainer.main", "--model=squeezenet", "--epochs=3",
+                        "--batch_size=32"])
+        config = main_lib.config_from_flags()
+    assert config.dataset == "tf_flowers" and config.image_size == 192  # recipe
+    assert config.epochs == 3 and config.batch_size == 32  # flags win
+    assert config.model_dir == os.path.join("runs", "squeezenet_tf_flowers")
+    with flagsaver.flagsaver():
+        main_lib.FLAGS(["trainer.main", "--model=xception"])
+        config = main_lib.config_from_flags()
+    assert (config.lr_schedule, config.epochs, config.warmup_epochs) == ("rampup", 12, 5.0)
+
+
+def test_corrupt_tfrecord_stops_the_run_naming_the_file(tmp_path):
+    from data import make_tfrecords, tfrecords
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        (tmp_path / "photos" / name).mkdir(parents=True)
+        for i in range(6):
+            tf.io.write_file(str(tmp_path / "photos" / name / f"{i}.png"),
+                             tf.io.encode_png(rng.integers(0, 255, (20, 20, 3), np.uint8)))
+    records, total, _ = make_tfrecords.records_from_folder(str(tmp_path / "photos"), 16)
+    path = tfrecords.write_shards(records, total, str(tmp_path / "rec" / "x"), 1)[0]
+    (tmp_path / "rec" / "dataset.json").write_text(json.dumps(
+        {"class_names": ["a", "b"], "image_size": 16, "holdout_fraction": 0.25}))
+    data = bytearray(open(path, "rb").read())
+    data[40:60] = b"\xff" * 20
+    open(path, "wb").write(bytes(data))
+    result = _main("--model=convnet", "--model_size=tiny", f"--dataset=tfrecord:{path}",
+                   "--batch_size=4", "--train_steps=2", f"--model_dir={tmp_path}/run")
+    assert result.returncode == 2, result.stderr[-1500:]
+    assert f"corrupt or truncated TFRecord file {path}" in result.stderr

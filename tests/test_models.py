@@ -1,13 +1,18 @@
-"""The model table and the seed's convnet."""
+"""The model table and every model's tiny variant; SqueezeNet's fire module; weights."""
 import keras
 import numpy as np
 import pytest
 
 import models
+from models import squeezenet, xception
+
+SHAPES = {"cifar_cnn": (32, 32, 3), "resnet": (32, 32, 3), "convnet": (64, 64, 3),
+          "squeezenet": (64, 64, 3), "xception": (64, 64, 3)}
 
 
 def test_unknown_model_lists_known_ones():
-    with pytest.raises(ValueError, match="unknown model 'resnet9'; valid: cifar_cnn"):
+    with pytest.raises(ValueError, match="unknown model 'resnet9'; valid: cifar_cnn, "
+                                         "convnet, resnet, squeezenet, xception"):
         models.build("resnet9", 10, (32, 32, 3))
 
 
@@ -16,12 +21,68 @@ def test_cifar_cnn_matches_the_seed_parameter_count():
     assert models.build("cifar_cnn", 10, (32, 32, 3)).count_params() == 1_676_982
 
 
-@pytest.mark.parametrize("name", models.names())
+def test_every_model_is_in_the_table():
+    assert set(models.names()) == set(SHAPES)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
 def test_tiny_variant_outputs_float32_logits(name):
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    model = models.build(name, 7, (32, 32, 3), tiny=True)
+    model = models.build(name, 7, SHAPES[name], tiny=True)
     assert model.count_params() < 100_000
-    outputs = model(np.random.default_rng(0).normal(size=(3, 32, 32, 3)), training=False)
+    outputs = model(np.random.default_rng(0).normal(size=(3, *SHAPES[name])),
+                    training=False)
     assert outputs.shape == (3, 7) and outputs.dtype == "float32"
-    # Logits, not probabilities: rows do not sum to 1 and values may be negative.
+    # Logits, not probabilities: rows do not sum to 1.
     assert not np.allclose(np.sum(outputs, axis=-1), 1.0)
+
+
+def test_fire_module_channel_arithmetic():
+    inputs = keras.Input((16, 16, 12))
+    outputs = squeezenet.fire(inputs, squeeze=4, expand=10)
+    assert outputs.shape == (None, 16, 16, 10)  # 5 from 1x1 + 5 from 3x3
+    squeeze = [layer for layer in keras.Model(inputs, outputs).layers
+               if isinstance(layer, keras.layers.Conv2D)][0]
+    assert squeeze.filters == 4 and squeeze.kernel_size == (1, 1)
+    with pytest.raises(ValueError, match="must be even"):
+        squeezenet.fire(inputs, 4, 9)
+
+
+def test_squeezenet_default_is_the_codelab_network():
+    model = models.build("squeezenet", 5, (192, 192, 3))
+    pools = [l for l in model.layers if isinstance(l, keras.layers.MaxPooling2D)]
+    norms = [l for l in model.layers if isinstance(l, keras.layers.BatchNormalization)]
+    convs = [l for l in model.layers if isinstance(l, keras.layers.Conv2D)]
+    assert len(pools) == len(squeezenet.CODELAB_FIRES) - 1
+    assert len(norms) == len(convs) == 1 + 3 * len(squeezenet.CODELAB_FIRES)
+    assert all(n.momentum == 0.9 for n in norms)
+
+
+def test_xception_rejects_images_below_71_pixels():
+    with pytest.raises(ValueError, match="at least 71x71"):
+        models.build("xception", 5, (64, 64, 3))
+
+
+def test_weights_path_reproduces_a_saved_xception(tmp_path):
+    model = models.build("xception", 5, (71, 71, 3))
+    path = str(tmp_path / "xception.weights.h5")
+    model.save_weights(path)
+    images = np.random.default_rng(1).normal(size=(2, 71, 71, 3)).astype("float32")
+    again = models.build("xception", 5, (71, 71, 3), weights=path)
+    np.testing.assert_allclose(again(images, training=False), model(images, training=False),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_weights_errors_are_one_line(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="no such file"):
+        models.build("cifar_cnn", 10, (32, 32, 3), weights=str(tmp_path / "x.weights.h5"))
+    path = str(tmp_path / "small.weights.h5")
+    models.build("cifar_cnn", 10, (32, 32, 3), tiny=True).save_weights(path)
+    with pytest.raises(ValueError, match="does not fit cifar_cnn"):
+        models.build("cifar_cnn", 10, (32, 32, 3), weights=path)
+
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+    monkeypatch.setattr(keras.applications, "Xception", offline)
+    with pytest.raises(ValueError, match=xception.IMAGENET_FILE):
+        models.build("xception", 5, (96, 96, 3), weights="imagenet")

@@ -25,6 +25,8 @@ class Config:
     model: str = "cifar_cnn"
     model_size: str = "full"            # "tiny" builds the small test variant
     dataset: str = "cifar10"
+    image_size: int = 0                 # 0: the dataset's own size
+    weights: str = "none"               # none | imagenet (xception) | PATH
     data_dir: str | None = None         # None: TFDS_DATA_DIR or the TFDS default
     download_data: bool = False
     model_dir: str = ""                 # "": runs/<model>_<dataset>
@@ -77,7 +79,8 @@ def validate(config: Config, model_names, dataset_names) -> Config:
     """Cheap checks done before any heavy work. Raises ConfigError."""
     _check_choice("model", config.model, model_names)
     _check_choice("model_size", config.model_size, ("full", "tiny"))
-    _check_choice("dataset", config.dataset, dataset_names)
+    if not config.dataset.startswith("tfrecord:"):
+        _check_choice("dataset", config.dataset, dataset_names)
     _check_choice("optimizer", config.optimizer, OPTIMIZERS)
     _check_choice("lr_schedule", config.lr_schedule, SCHEDULES)
     _check_choice("precision", config.precision, PRECISIONS)
@@ -88,7 +91,7 @@ def validate(config: Config, model_names, dataset_names) -> Config:
         _check_positive(name, getattr(config, name))
     for name in ("epochs", "train_steps", "warmup_epochs", "weight_decay",
                  "sustain_epochs", "min_learning_rate", "log_every", "eval_every",
-                 "checkpoint_every", "shuffle_buffer"):
+                 "checkpoint_every", "shuffle_buffer", "image_size"):
         _check_positive(name, getattr(config, name), allow_zero=True)
     if config.epochs == 0 and config.train_steps == 0:
         raise ConfigError("nothing to train: set --epochs or --train_steps above 0")

@@ -2,6 +2,7 @@
 checkpoint and report. The math of one step is in trainer/step.py; running it on
 every replica is trainer/distributed.py.
 """
+import contextlib
 import dataclasses
 import math
 import os
@@ -54,19 +55,31 @@ def _worker_role(strategy: tf.distribute.Strategy) -> tuple[bool, int]:
                                     and not has_chief), task_id
 
 
+def image_shape(config: Config, spec: sources.DatasetSpec) -> tuple[int, int, int]:
+    size = config.image_size or spec.image_shape[0]
+    return (size, size, spec.image_shape[2])
+
+
 def _distributed_datasets(config: Config, spec: sources.DatasetSpec,
                           strategy: tf.distribute.Strategy, plan: Plan):
     normalize = augment.make_normalize(spec.mean, spec.std)
+    shape = image_shape(config, spec)
+    prepare = (augment.make_resize(shape[0])
+               if spec.variable_size or shape != spec.image_shape else None)
 
     def train_fn(context):
-        ds, _ = sources.load(spec, spec.train_split, config.data_dir, config.download_data)
+        ds, _ = sources.load(spec, spec.train_split, config.data_dir, config.download_data,
+                             context=context)  # this worker's shard
         return pipeline.make_train(ds, context, config.batch_size,
                                    augment.TRAIN_AUGMENTATIONS[spec.augment], normalize,
-                                   config.shuffle_buffer, seed=config.seed)
+                                   config.shuffle_buffer, seed=config.seed,
+                                   prepare=prepare, num_examples=plan.train_examples,
+                                   shard=False)
 
     def eval_fn(context):
         ds, n = sources.load(spec, spec.eval_split, config.data_dir, config.download_data)
-        return pipeline.make_eval(ds, n, context, config.batch_size, normalize)
+        return pipeline.make_eval(ds, n, context, config.batch_size, normalize,
+                                  prepare=prepare)
 
     return (strategy.distribute_datasets_from_function(train_fn),
             strategy.distribute_datasets_from_function(eval_fn))
@@ -74,8 +87,11 @@ def _distributed_datasets(config: Config, spec: sources.DatasetSpec,
 
 def _build_state(config: Config, spec: sources.DatasetSpec, plan: Plan, precision: str):
     """Model, schedule, optimizer (built) and step counter; call inside the scope."""
-    model = models.build(config.model, spec.num_classes, spec.image_shape,
-                         tiny=config.model_size == "tiny")
+    try:
+        model = models.build(config.model, spec.num_classes, image_shape(config, spec),
+                             tiny=config.model_size == "tiny", weights=config.weights)
+    except ValueError as err:  # bad weights file, image too small for the model, ...
+        raise ConfigError(str(err)) from err
     schedule = schedules.WarmupSchedule(
         config.lr_schedule, config.learning_rate, plan.total_steps, plan.steps_per_epoch,
         warmup_steps=round(config.warmup_epochs * plan.steps_per_epoch),
@@ -88,7 +104,7 @@ def _build_state(config: Config, spec: sources.DatasetSpec, plan: Plan, precisio
     return model, schedule, optimizer, step
 
 
-def _log_setup(config, runtime, plan, precision, jit, schedule, model) -> None:
+def _log_setup(config, spec, runtime, plan, precision, jit, schedule, model) -> None:
     logging.info("Strategy: %s", runtime.describe())
     logging.info("Batch: global %d = %d replicas x %d per replica | precision %s | "
                  "XLA %s", config.batch_size, runtime.num_replicas,
@@ -98,6 +114,10 @@ def _log_setup(config, runtime, plan, precision, jit, schedule, model) -> None:
                  f"{model.count_params():,}", config.dataset, plan.train_examples,
                  plan.eval_examples, plan.total_steps, plan.steps_per_epoch,
                  plan.total_steps / plan.steps_per_epoch)
+    if spec.holdout_fraction:
+        logging.info("Evaluation split: a fixed %.0f%% of %s %r held out by a hash of the "
+                     "example index (same every run); training uses the rest",
+                     100 * spec.holdout_fraction, spec.name, spec.train_split)
     logging.info("LR schedule %s: %s", config.lr_schedule, ", ".join(
         f"step {s}: {lr:.3g}" for s, lr in schedules.sample_points(schedule)))
 
@@ -115,6 +135,18 @@ def _evaluate(eval_loop, eval_dataset, plan: Plan) -> dict:
     count = sums["count"]
     return {"test_loss": sums["loss_sum"] / count, "test_accuracy": sums["correct"] / count,
             "test_examples": int(round(count))}
+
+
+@contextlib.contextmanager
+def _data_errors_explained(spec: sources.DatasetSpec):
+    """A corrupt input file surfaces deep in the graph without its name: find it."""
+    try:
+        yield
+    except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as err:
+        culprit = sources.explain_read_error(spec)
+        if culprit:
+            raise sources.DatasetError(culprit) from err
+        raise
 
 
 def train_and_evaluate(config: Config) -> dict:
@@ -138,7 +170,7 @@ def train_and_evaluate(config: Config) -> dict:
     with strategy.scope():
         model, schedule, optimizer, step_var = _build_state(config, spec, plan, precision)
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step_var)
-    _log_setup(config, runtime, plan, precision, jit, schedule, model)
+    _log_setup(config, spec, runtime, plan, precision, jit, schedule, model)
     restored = checkpoints.restore_latest(checkpoint, config.model_dir)
     if restored:
         logging.info("Resumed from %s at step %d", restored, int(step_var.numpy()))
@@ -152,9 +184,10 @@ def train_and_evaluate(config: Config) -> dict:
     eval_loop = distributed.make_eval_loop(strategy, model, wrap_jit)
     context = dict(runtime=runtime, precision=precision, jit=jit, plan=plan,
                    is_chief=is_chief)
-    history = _run(config, plan, iter(train_dataset), train_loop,
-                   lambda: _evaluate(eval_loop, eval_dataset, plan), step_var, manager,
-                   optimizer, schedule)
+    with _data_errors_explained(spec):
+        history = _run(config, plan, iter(train_dataset), train_loop,
+                       lambda: _evaluate(eval_loop, eval_dataset, plan), step_var,
+                       manager, optimizer, schedule)
     return _finish(config, model, history, context)
 
 

@@ -14,7 +14,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from data import sources  # noqa: E402
 import models  # noqa: E402
-from trainer import checkpoints, config as config_lib, loop  # noqa: E402
+from trainer import checkpoints, config as config_lib, loop, recipes  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 
 _D = config_lib.Config()  # flag defaults come from the Config dataclass
@@ -23,6 +23,11 @@ _CHOICES = lambda names: "|".join(names)  # noqa: E731
 flags.DEFINE_string("model", _D.model, f"Model name: {_CHOICES(models.names())}.")
 flags.DEFINE_string("model_size", _D.model_size, "full|tiny (tiny: test variant).")
 flags.DEFINE_string("dataset", _D.dataset, f"Dataset: {_CHOICES(sources.names())}.")
+flags.DEFINE_integer("image_size", _D.image_size,
+                     "Train and evaluate at this square size (0: the dataset's own).")
+flags.DEFINE_string("weights", _D.weights, "Initial weights: none | imagenet (xception, "
+                    "downloads) | PATH (a .weights.h5 of the same model, or for xception "
+                    "Keras' notop backbone file).")
 flags.DEFINE_string("data_dir", _D.data_dir,
                     "TFDS data dir; default: $TFDS_DATA_DIR, else the TFDS default.")
 flags.DEFINE_bool("download_data", _D.download_data,
@@ -87,9 +92,15 @@ USER_ERRORS = (config_lib.ConfigError, sources.DatasetError, strategy_lib.Device
 
 
 def config_from_flags(flag_values=FLAGS) -> config_lib.Config:
-    """Builds and validates the frozen Config from parsed flags."""
+    """Builds and validates the frozen Config: the model's recipe, then the flags
+    given on the command line over it."""
     values = {f.name: flag_values[f.name].value
               for f in dataclasses.fields(config_lib.Config)}
+    explicit = {name for name in values if flag_values[name].present}
+    values, origin = recipes.resolve(values, explicit)
+    if origin:
+        logging.info("Recipe for %s: %s", values["model"], ", ".join(
+            f"{name}={values[name]} ({source})" for name, source in origin.items()))
     values["model_dir"] = values["model_dir"] or os.path.join(
         "runs", f"{values['model']}_{values['dataset']}")
     return config_lib.validate(config_lib.Config(**values), models.names(),
