@@ -83,6 +83,9 @@ def _tfrecord_spec(name: str) -> DatasetSpec:
                            f"with python -m data.make_tfrecords")
     with open(path) as f:
         meta = json.load(f)
+    if not 0 < float(meta.get("holdout_fraction", 0.15)) < 1:
+        raise DatasetError(f"{path}: holdout_fraction must be in (0, 1): the validation "
+                           f"set is held out of the same files")
     base = _SPECS.get(meta.get("source", ""), _SPECS["tf_flowers"])
     size = int(meta.get("image_size") or base.image_shape[0])
     return dataclasses.replace(

@@ -92,3 +92,10 @@ def test_tfrecord_dataset_spec_comes_from_dataset_json(tmp_path):
     assert spec.num_classes == 3 and spec.image_shape == (64, 64, 3)
     with pytest.raises(sources.DatasetError, match="no dataset.json beside"):
         sources.get_spec(f"tfrecord:{tmp_path}/sub/x*.tfrec")
+
+
+def test_tfrecord_dataset_needs_a_holdout_fraction(tmp_path):
+    (tmp_path / "dataset.json").write_text(json.dumps(
+        {"class_names": ["a", "b"], "holdout_fraction": 0}))
+    with pytest.raises(sources.DatasetError, match="holdout_fraction must be in"):
+        sources.get_spec(f"tfrecord:{tmp_path}/x*.tfrec")
