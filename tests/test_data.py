@@ -41,6 +41,19 @@ def test_pad_crop_flip_varies_per_image():
     assert len(distinct) > 10  # 81 offsets x 2 flips
 
 
+def test_random_resized_crop_zooms_in_and_varies_per_image():
+    # A horizontal ramp: a crop of >= 50% area spans a narrower range of columns.
+    ramp = tf.tile(tf.range(64, dtype=tf.float32)[None, None, :, None] * 4, [32, 64, 1, 3])
+    images = tf.cast(ramp, tf.uint8)
+    out, _ = augment.random_resized_crop(images, tf.zeros(32, tf.int32))
+    assert out.shape == images.shape and out.dtype == tf.uint8
+    spans = [int(o[32, -1, 0]) - int(o[32, 0, 0]) for o in out.numpy()]
+    assert max(spans) <= 252 and min(spans) >= 252 * 0.5 * 0.75 - 8
+    assert len(set(spans)) > 5
+    flipped, _ = augment.crop_flip_saturation(images, tf.zeros(32, tf.int32))
+    assert flipped.shape == images.shape
+
+
 def test_normalize_standardizes_per_channel():
     normalize = augment.make_normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
     images, _ = normalize(tf.fill((2, 2, 2, 3), tf.constant(255, tf.uint8)), None)

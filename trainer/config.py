@@ -6,6 +6,7 @@ read from this object (or plain arguments), never flags.
 import dataclasses
 from typing import Any
 
+from data import augment as augment_lib
 from trainer import optimizers, schedules
 
 STRATEGIES = ("auto", "tpu", "mirrored", "multi_worker", "one_device")
@@ -54,6 +55,7 @@ class Config:
     checkpoint_every: int = 0           # steps; 0 = at the end of every epoch
     keep_checkpoints: int = 3
     shuffle_buffer: int = 10_000
+    augment: str = ""                   # "": the dataset's default augmentation
     seed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -86,6 +88,8 @@ def validate(config: Config, model_names, dataset_names) -> Config:
     _check_choice("precision", config.precision, PRECISIONS)
     _check_choice("strategy", config.strategy, STRATEGIES)
     _check_choice("jit_compile", config.jit_compile, JIT_CHOICES)
+    if config.augment:
+        _check_choice("augment", config.augment, augment_lib.TRAIN_AUGMENTATIONS)
     for name in ("batch_size", "learning_rate", "steps_per_loop", "cpu_replicas",
                  "keep_checkpoints"):
         _check_positive(name, getattr(config, name))

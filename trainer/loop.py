@@ -66,13 +66,13 @@ def _distributed_datasets(config: Config, spec: sources.DatasetSpec,
     shape = image_shape(config, spec)
     prepare = (augment.make_resize(shape[0])
                if spec.variable_size or shape != spec.image_shape else None)
+    train_augment = augment.TRAIN_AUGMENTATIONS[config.augment or spec.augment]
 
     def train_fn(context):
         ds, _ = sources.load(spec, spec.train_split, config.data_dir, config.download_data,
                              context=context)  # this worker's shard
-        return pipeline.make_train(ds, context, config.batch_size,
-                                   augment.TRAIN_AUGMENTATIONS[spec.augment], normalize,
-                                   config.shuffle_buffer, seed=config.seed,
+        return pipeline.make_train(ds, context, config.batch_size, train_augment,
+                                   normalize, config.shuffle_buffer, seed=config.seed,
                                    prepare=prepare, num_examples=plan.train_examples,
                                    shard=False)
 

@@ -12,7 +12,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # hide TF's C++ start-up cha
 
 from absl import app, flags, logging  # noqa: E402
 
-from data import sources  # noqa: E402
+from data import augment as augment_lib, sources  # noqa: E402
 import models  # noqa: E402
 from trainer import checkpoints, config as config_lib, loop, recipes  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
@@ -82,6 +82,9 @@ flags.DEFINE_integer("checkpoint_every", _D.checkpoint_every,
                      "Steps between checkpoints (0: at the end of every epoch).")
 flags.DEFINE_integer("keep_checkpoints", _D.keep_checkpoints, "Checkpoints kept.")
 flags.DEFINE_integer("shuffle_buffer", _D.shuffle_buffer, "Training shuffle buffer.")
+flags.DEFINE_string("augment", _D.augment, "Training augmentation: "
+                    f"{_CHOICES(augment_lib.TRAIN_AUGMENTATIONS)} (default: the "
+                    "dataset's own: pad_crop_flip for CIFAR, flip_saturation for flowers).")
 flags.DEFINE_integer("seed", _D.seed, "Seed for weights, shuffling and augmentation.")
 
 FLAGS = flags.FLAGS
