@@ -30,14 +30,21 @@ def _shard(ds: tf.data.Dataset, context: tf.distribute.InputContext) -> tf.data.
 
 def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
                global_batch_size: int, augment: Callable, normalize: Callable,
-               shuffle_buffer: int, seed: int | None = None,
+               shuffle_buffer: int, seed: int = 0,
                cache: bool = True, prepare: Callable | None = None,
-               num_examples: int | None = None, shard: bool = True) -> tf.data.Dataset:
-    """shard -> prepare -> cache -> shuffle -> repeat -> batch -> augment+normalize
-    -> prefetch.
+               num_examples: int | None = None, shard: bool = True,
+               start_step: int = 0) -> tf.data.Dataset:
+    """shard -> prepare -> cache -> [per epoch: block_shuffle -> batch] -> skip to
+    `start_step` -> augment+normalize -> prefetch.
+
+    The stream is a pure function of (seed, input pipeline, epoch, batch): each
+    epoch's order is shuffled with a seed made from the epoch number, and each
+    batch's augmentation is seeded by (epoch, batch). A run resumed at `start_step`
+    therefore sees exactly the batches an uninterrupted run would have seen, and the
+    skip only replays (shuffles and batches, no augmentation) part of one epoch.
 
     `prepare` runs per example before the cache (decode-time work such as resizing);
-    `augment` and `normalize` take whole batches (see data/augment.py).
+    `augment(images, labels, seed)` and `normalize` take whole batches.
     shard=False: `ds` is already this worker's shard (data.sources.load(context=...)).
     """
     batch = per_replica_batch_size(global_batch_size, context)
@@ -50,12 +57,65 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
     if num_examples:  # a buffer beyond the shard only delays the first batch
         shuffle_buffer = min(shuffle_buffer,
                              math.ceil(num_examples / context.num_input_pipelines))
-    if shuffle_buffer > 1:
-        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-    ds = ds.repeat().batch(batch, drop_remainder=True)
-    ds = ds.map(lambda images, labels: normalize(*augment(images, labels)),
-                num_parallel_calls=AUTOTUNE)
+    examples = int(ds.cardinality())
+    if examples < 0 or (cache and 1 < shuffle_buffer < examples):
+        # Counts, and fills the cache: the block shuffle must never re-read the source.
+        examples = fill_cache(ds)
+    batches_per_epoch = examples // batch
+    if batches_per_epoch == 0:
+        raise ValueError(f"this input pipeline has fewer examples than one batch of "
+                         f"{batch}; lower the batch size")
+    pipeline_seed = seed * 7919 + context.input_pipeline_id  # workers differ
+
+    def one_epoch(epoch: tf.Tensor) -> tf.data.Dataset:
+        shuffled = block_shuffle(ds, shuffle_buffer, tf.stack(
+            [tf.constant(pipeline_seed, tf.int64), epoch]), examples)
+        batches = shuffled.batch(batch, drop_remainder=True).take(batches_per_epoch)
+        return batches.enumerate().map(
+            lambda index, example: (tf.stack([epoch, index]), *example))
+
+    # The data position: this pipeline's replicas consume `per_step` batches a step.
+    per_step = context.num_replicas_in_sync // context.num_input_pipelines
+    start_epoch, skip = divmod(start_step * per_step, batches_per_epoch)
+    ds = tf.data.Dataset.range(start_epoch, 2**62).flat_map(one_epoch).skip(skip)
+
+    def augment_and_normalize(position, images, labels):
+        key = tf.cast(tf.stack([pipeline_seed, position[0] * 1_000_003 + position[1]]),
+                      tf.int64)
+        return normalize(*augment(images, labels, key))
+
+    ds = ds.map(augment_and_normalize, num_parallel_calls=AUTOTUNE)
     return ds.prefetch(AUTOTUNE)
+
+
+def block_shuffle(ds: tf.data.Dataset, block: int, seed: tf.Tensor,
+                  num_examples: int) -> tf.data.Dataset:
+    """A two-level shuffle whose order is a pure function of `seed` (a [2] int64
+    tensor), which `Dataset.shuffle` cannot promise for a tensor seed: the blocks of
+    `block` consecutive examples are visited in a random order, and each block is
+    randomly permuted. A block at least the size of the data is a full shuffle.
+    """
+    if block <= 1:
+        return ds
+    num_blocks = math.ceil(num_examples / block)
+    block_order = tf.argsort(tf.random.stateless_uniform([num_blocks], seed))
+
+    def permute(index, position):
+        # skip() over a filled in-memory cache only steps over tensor handles: cheap.
+        start = tf.cast(position, tf.int64) * block
+        examples = ds.skip(start).take(block).batch(block).get_single_element()
+        count = tf.shape(tf.nest.flatten(examples)[0])[0]
+        order = tf.argsort(tf.random.stateless_uniform([count], seed + [0, index + 1]))
+        return tf.data.Dataset.from_tensor_slices(
+            tf.nest.map_structure(lambda t: tf.gather(t, order), examples))
+
+    return tf.data.Dataset.from_tensor_slices(block_order).enumerate().flat_map(permute)
+
+
+def fill_cache(ds: tf.data.Dataset) -> int:
+    """One pass over `ds`, returning its size. On a cached dataset this does the work
+    the first epoch would do, once; later passes read memory."""
+    return int(ds.reduce(tf.constant(0, tf.int64), lambda count, *_: count + 1))
 
 
 def eval_steps(num_examples: int, global_batch_size: int) -> int:

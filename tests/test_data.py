@@ -16,6 +16,9 @@ def _context(pipelines=1, pipeline_id=0, replicas=1):
     return tf.distribute.InputContext(pipelines, pipeline_id, replicas)
 
 
+SEED = tf.constant([1, 2], tf.int64)
+
+
 def _identity_normalize(images, labels):
     return tf.cast(images, tf.float32), labels
 
@@ -23,20 +26,21 @@ def _identity_normalize(images, labels):
 def test_pad_crop_flip_keeps_shape_dtype_and_content_eager_and_in_map():
     images = tf.random.uniform((6, 8, 8, 3), 0, 255, tf.int32)
     images = tf.cast(images, tf.uint8)
-    out, labels = augment.pad_crop_flip(images, tf.range(6))
+    out, labels = augment.pad_crop_flip(images, tf.range(6), SEED)
     assert out.shape == images.shape and out.dtype == tf.uint8
     assert labels.numpy().tolist() == list(range(6))
     # Every output pixel is either padding (0) or a pixel of the same input image.
     for src, dst in zip(images.numpy(), out.numpy()):
         assert set(np.unique(dst)) <= set(np.unique(src)) | {0}
-    mapped = tf.data.Dataset.from_tensors((images, tf.range(6))).map(augment.pad_crop_flip)
+    mapped = tf.data.Dataset.from_tensors((images, tf.range(6))).map(
+        lambda x, y: augment.pad_crop_flip(x, y, SEED))
     assert next(iter(mapped))[0].shape == images.shape
 
 
 def test_pad_crop_flip_varies_per_image():
     image = tf.reshape(tf.range(8 * 8 * 3, dtype=tf.int32) % 250, (1, 8, 8, 3))
     images = tf.cast(tf.tile(image, [64, 1, 1, 1]), tf.uint8)
-    out, _ = augment.pad_crop_flip(images, tf.zeros(64, tf.int32))
+    out, _ = augment.pad_crop_flip(images, tf.zeros(64, tf.int32), SEED)
     distinct = {o.tobytes() for o in out.numpy()}
     assert len(distinct) > 10  # 81 offsets x 2 flips
 
@@ -45,12 +49,12 @@ def test_random_resized_crop_zooms_in_and_varies_per_image():
     # A horizontal ramp: a crop of >= 50% area spans a narrower range of columns.
     ramp = tf.tile(tf.range(64, dtype=tf.float32)[None, None, :, None] * 4, [32, 64, 1, 3])
     images = tf.cast(ramp, tf.uint8)
-    out, _ = augment.random_resized_crop(images, tf.zeros(32, tf.int32))
+    out, _ = augment.random_resized_crop(images, tf.zeros(32, tf.int32), SEED)
     assert out.shape == images.shape and out.dtype == tf.uint8
     spans = [int(o[32, -1, 0]) - int(o[32, 0, 0]) for o in out.numpy()]
     assert max(spans) <= 252 and min(spans) >= 252 * 0.5 * 0.75 - 8
     assert len(set(spans)) > 5
-    flipped, _ = augment.crop_flip_saturation(images, tf.zeros(32, tf.int32))
+    flipped, _ = augment.crop_flip_saturation(images, tf.zeros(32, tf.int32), SEED)
     assert flipped.shape == images.shape
 
 
@@ -66,6 +70,44 @@ def test_train_pipeline_shapes_dtypes_and_drop_remainder():
     images, labels = next(iter(ds))
     assert images.shape == (4, 8, 8, 3) and images.dtype == tf.float32
     assert labels.shape == (4,) and labels.dtype == tf.int32
+
+
+def test_augmentation_is_a_pure_function_of_the_seed():
+    images = tf.cast(tf.random.uniform((16, 8, 8, 3), 0, 255, tf.int32), tf.uint8)
+    for name, fn in augment.TRAIN_AUGMENTATIONS.items():
+        first, _ = fn(images, tf.zeros(16, tf.int32), SEED)
+        again, _ = fn(images, tf.zeros(16, tf.int32), SEED)
+        other, _ = fn(images, tf.zeros(16, tf.int32), SEED + 1)
+        np.testing.assert_array_equal(first.numpy(), again.numpy())
+        if name != "none":
+            assert not np.array_equal(first.numpy(), other.numpy()), name
+
+
+def _stream(start_step, n=40, global_batch=8, replicas=1, seed=3, steps=12):
+    """The labels and images of `steps` training steps from `start_step` on."""
+    ds = pipeline.make_train(_indexed(n).filter(lambda x, y: True), _context(replicas=replicas),
+                             global_batch, augment.pad_crop_flip, _identity_normalize,
+                             shuffle_buffer=16, seed=seed, start_step=start_step)
+    batches = list(ds.take(steps * replicas))
+    return (np.stack([b[1].numpy() for b in batches]),
+            np.stack([b[0].numpy() for b in batches]))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_train_stream_resumes_exactly_at_any_step(replicas):
+    labels, images = _stream(0, replicas=replicas)
+    for start in (1, 5, 7):  # 5 steps per epoch: mid-epoch and epoch boundaries
+        resumed_labels, resumed_images = _stream(start, replicas=replicas)
+        np.testing.assert_array_equal(resumed_labels,
+                                      _stream(0, replicas=replicas, steps=12 + start)[0][
+                                          start * replicas:])
+        np.testing.assert_array_equal(
+            resumed_images[: (12 - start) * replicas], images[start * replicas:])
+    # Each epoch is a permutation (minus the dropped remainder), and epochs differ.
+    epochs = labels[: 10 * replicas].reshape(2, -1)
+    assert all(len(set(e.tolist())) == len(e) for e in epochs)
+    assert epochs[0].tolist() != epochs[1].tolist()
+    assert not np.array_equal(_stream(0, seed=4, replicas=replicas)[0], labels)
 
 
 def test_global_batch_must_divide_by_replicas():
@@ -163,10 +205,10 @@ def test_tf_flowers_validation_split_sizes():
 
 def test_flip_saturation_keeps_grey_pixels_and_shape():
     grey = tf.fill((4, 6, 6, 3), tf.constant(100, tf.uint8))
-    out, _ = augment.flip_saturation(grey, tf.zeros(4, tf.int32))
+    out, _ = augment.flip_saturation(grey, tf.zeros(4, tf.int32), SEED)
     np.testing.assert_array_equal(out.numpy(), grey.numpy())  # no colour to scale
     colour = tf.cast(tf.random.uniform((64, 6, 6, 3), 0, 255, tf.int32), tf.uint8)
-    out, _ = augment.flip_saturation(colour, tf.zeros(64, tf.int32))
+    out, _ = augment.flip_saturation(colour, tf.zeros(64, tf.int32), SEED)
     assert out.dtype == tf.uint8 and out.shape == colour.shape
     assert not np.array_equal(out.numpy(), colour.numpy())
 

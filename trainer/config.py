@@ -12,6 +12,7 @@ from trainer import optimizers, schedules
 STRATEGIES = ("auto", "tpu", "mirrored", "multi_worker", "one_device")
 PRECISIONS = ("auto", "float32", "mixed_bfloat16", "mixed_float16")
 JIT_CHOICES = ("auto", "true", "false")
+ON_NAN = ("stop", "skip_step")
 OPTIMIZERS = optimizers.NAMES
 SCHEDULES = schedules.KINDS
 
@@ -56,6 +57,8 @@ class Config:
     keep_checkpoints: int = 3
     shuffle_buffer: int = 10_000
     augment: str = ""                   # "": the dataset's default augmentation
+    deterministic: bool = False         # op determinism: bitwise reproducible on CPU
+    on_nan: str = "stop"                # stop | skip_step (a non-finite loss)
     seed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -88,6 +91,7 @@ def validate(config: Config, model_names, dataset_names) -> Config:
     _check_choice("precision", config.precision, PRECISIONS)
     _check_choice("strategy", config.strategy, STRATEGIES)
     _check_choice("jit_compile", config.jit_compile, JIT_CHOICES)
+    _check_choice("on_nan", config.on_nan, ON_NAN)
     if config.augment:
         _check_choice("augment", config.augment, augment_lib.TRAIN_AUGMENTATIONS)
     for name in ("batch_size", "learning_rate", "steps_per_loop", "cpu_replicas",

@@ -1,8 +1,8 @@
 """The distribution wrapper: run the per-replica steps on every replica, N at a time.
 
-One `tf.function` call runs `num_steps` steps in an in-graph loop (fewer Python
-round trips; on a TPU, one host call per loop instead of per step). `num_steps` is
-a tensor, so a shorter last loop does not retrace.
+One `tf.function` call runs up to `num_steps` steps in an in-graph loop (fewer
+Python round trips; on a TPU, one host call per loop instead of per step).
+`num_steps` is a tensor, so a shorter last loop does not retrace.
 """
 from typing import Callable
 
@@ -11,42 +11,51 @@ import tensorflow as tf
 from trainer import step
 
 Sums = dict[str, tf.Tensor]
+SUM = tf.distribute.ReduceOp.SUM
 
 
-def _zeros() -> Sums:
-    return {key: tf.constant(0.0) for key in step.METRIC_KEYS}
-
-
-def _run_and_sum(strategy: tf.distribute.Strategy, replica_fn: Callable,
-                 batch, totals: Sums) -> Sums:
-    per_replica = strategy.run(replica_fn, args=batch)
-    # SUM, not MEAN: every replica returned sums over its own examples.
-    return {key: totals[key] + strategy.reduce(tf.distribute.ReduceOp.SUM,
-                                               per_replica[key], axis=None)
-            for key in step.METRIC_KEYS}
-
-
-def _make_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
-               jit_compile: bool) -> Callable:
+def _make_loop(strategy: tf.distribute.Strategy, replica_fn: Callable, keys,
+               jit_compile: bool, stop_on_nonfinite: bool = False) -> Callable:
     if jit_compile:  # XLA-compile the replica's step, as Keras' own fit() does
         replica_fn = tf.function(replica_fn, jit_compile=True)
 
     @tf.function
-    def loop(iterator, num_steps: tf.Tensor) -> Sums:
-        totals = _zeros()
+    def loop(iterator, num_steps: tf.Tensor, stop_flag: tf.Tensor = 0.0) -> Sums:
+        totals = {key: tf.constant(0.0) for key in keys}
+        steps_run = tf.constant(0)
         for _ in tf.range(num_steps):
-            totals = _run_and_sum(strategy, replica_fn, next(iterator), totals)
-        return totals
+            per_replica = strategy.run(replica_fn, args=next(iterator))
+            # SUM, not MEAN: every replica returned sums over its own examples.
+            totals = {key: totals[key] + strategy.reduce(SUM, per_replica[key], axis=None)
+                      for key in keys}
+            steps_run += 1
+            # Every worker sees the same reduced loss, so all of them stop together.
+            if stop_on_nonfinite and not tf.math.is_finite(totals["loss_sum"]):
+                break
+        # A stop request (SIGTERM) on any worker reaches every worker via this sum.
+        stop = strategy.reduce(SUM, strategy.run(lambda: tf.identity(stop_flag)),
+                               axis=None)
+        return {**totals, "steps": steps_run, "stop_requested": stop}
 
     return loop
 
 
 def make_train_loop(strategy: tf.distribute.Strategy, model, optimizer,
-                    global_batch_size: int, jit_compile: bool) -> Callable:
-    """Returns train_loop(iterator, num_steps) -> metric sums over those steps."""
+                    global_batch_size: int, jit_compile: bool,
+                    on_nan: str = "stop") -> Callable:
+    """Returns train_loop(iterator, num_steps) -> metric sums and `steps` run.
+
+    on_nan="stop": the loop returns right after a step with a non-finite loss (its
+    update was applied; the caller keeps the last checkpoint). "skip_step": such a
+    step's update is dropped on every replica and counted in `skipped`.
+    """
+    skip = on_nan == "skip_step"
+
     def replica_fn(images, labels):
-        return step.train_step(model, optimizer, images, labels, global_batch_size)
-    return _make_loop(strategy, replica_fn, jit_compile)
+        return step.train_step(model, optimizer, images, labels, global_batch_size,
+                               skip_nonfinite=skip)
+    return _make_loop(strategy, replica_fn, step.TRAIN_KEYS, jit_compile,
+                      stop_on_nonfinite=not skip)
 
 
 def make_eval_loop(strategy: tf.distribute.Strategy, model,
@@ -54,4 +63,4 @@ def make_eval_loop(strategy: tf.distribute.Strategy, model,
     """Returns eval_loop(iterator, num_steps) -> masked metric sums."""
     def replica_fn(images, labels, mask):
         return step.eval_step(model, images, labels, mask)
-    return _make_loop(strategy, replica_fn, jit_compile)
+    return _make_loop(strategy, replica_fn, step.METRIC_KEYS, jit_compile)

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from data import augment, pipeline, sources
 import models
-from trainer import checkpoints, distributed, optimizers, reporting, schedules
+from trainer import checkpoints, distributed, faults, optimizers, reporting, schedules
 from trainer import strategy as strategy_lib
 from trainer.config import Config, ConfigError
 
@@ -61,7 +61,8 @@ def image_shape(config: Config, spec: sources.DatasetSpec) -> tuple[int, int, in
 
 
 def _distributed_datasets(config: Config, spec: sources.DatasetSpec,
-                          strategy: tf.distribute.Strategy, plan: Plan):
+                          strategy: tf.distribute.Strategy, plan: Plan, start_step: int):
+    """Training data resumes at `start_step` (the data position is the step)."""
     normalize = augment.make_normalize(spec.mean, spec.std)
     shape = image_shape(config, spec)
     prepare = (augment.make_resize(shape[0])
@@ -74,7 +75,7 @@ def _distributed_datasets(config: Config, spec: sources.DatasetSpec,
         return pipeline.make_train(ds, context, config.batch_size, train_augment,
                                    normalize, config.shuffle_buffer, seed=config.seed,
                                    prepare=prepare, num_examples=plan.train_examples,
-                                   shard=False)
+                                   shard=False, start_step=start_step)
 
     def eval_fn(context):
         ds, n = sources.load(spec, spec.eval_split, config.data_dir, config.download_data)
@@ -161,6 +162,8 @@ def train_and_evaluate(config: Config) -> dict:
     checkpoints.prepare_model_dir(config.model_dir, config.as_dict(), is_chief)
     keras.mixed_precision.set_global_policy(precision)
     keras.utils.set_random_seed(config.seed)
+    if config.deterministic:
+        tf.config.experimental.enable_op_determinism()
     spec = sources.get_spec(config.dataset)
     _, train_examples = sources.load(spec, spec.train_split, config.data_dir,
                                      config.download_data)
@@ -169,34 +172,35 @@ def train_and_evaluate(config: Config) -> dict:
     plan = Plan.make(config, train_examples, eval_examples, runtime.num_replicas)
     with strategy.scope():
         model, schedule, optimizer, step_var = _build_state(config, spec, plan, precision)
-        checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step_var)
+        checkpoint = checkpoints.training_checkpoint(model, optimizer, step_var)
     _log_setup(config, spec, runtime, plan, precision, jit, schedule, model)
     restored = checkpoints.restore_latest(checkpoint, config.model_dir)
     if restored:
         logging.info("Resumed from %s at step %d", restored, int(step_var.numpy()))
     manager = checkpoints.make_manager(config.model_dir, checkpoint,
                                        config.keep_checkpoints, is_chief, task_id)
-    train_dataset, eval_dataset = _distributed_datasets(config, spec, strategy, plan)
+    train_dataset, eval_dataset = _distributed_datasets(config, spec, strategy, plan,
+                                                        int(step_var.numpy()))
     # On a TPU every step is XLA-compiled anyway; an inner jit_compile is redundant.
     wrap_jit = jit and runtime.device_kind != "tpu"
     train_loop = distributed.make_train_loop(strategy, model, optimizer,
-                                             config.batch_size, wrap_jit)
+                                             config.batch_size, wrap_jit, config.on_nan)
     eval_loop = distributed.make_eval_loop(strategy, model, wrap_jit)
     context = dict(runtime=runtime, precision=precision, jit=jit, plan=plan,
                    is_chief=is_chief)
-    with _data_errors_explained(spec):
+    with _data_errors_explained(spec), faults.SigtermWatcher() as sigterm:
         history = _run(config, plan, iter(train_dataset), train_loop,
                        lambda: _evaluate(eval_loop, eval_dataset, plan), step_var,
-                       manager, optimizer, schedule)
+                       manager, optimizer, schedule, sigterm, is_multi_worker(strategy))
     return _finish(config, model, history, context)
 
 
-class TrainingDivergedError(RuntimeError):
-    """The loss became NaN or infinite; the last good checkpoint is kept."""
+def is_multi_worker(strategy: tf.distribute.Strategy) -> bool:
+    return strategy.extended._in_multi_worker_mode()  # noqa: SLF001 (no public API)
 
 
 def _run(config: Config, plan: Plan, train_iterator, train_loop, evaluate, step_var,
-         manager, optimizer, schedule) -> dict:
+         manager, optimizer, schedule, sigterm, multi_worker: bool) -> dict:
     """Train to plan.total_steps; log, evaluate and checkpoint on the way."""
     step = int(step_var.numpy())
     progress = reporting.Progress(plan.total_steps, plan.steps_per_epoch,
@@ -209,15 +213,23 @@ def _run(config: Config, plan: Plan, train_iterator, train_loop, evaluate, step_
     while step < plan.total_steps:
         stop = _next_stop(step, plan.total_steps, config.steps_per_loop, *every.values())
         with reporting.Stopwatch() as watch:
-            sums = {k: float(v) for k, v in
-                    train_loop(train_iterator, tf.constant(stop - step)).items()}
+            sums = {k: float(v) for k, v in train_loop(
+                train_iterator, tf.constant(stop - step),
+                tf.constant(float(sigterm.requested))).items()}
         if not math.isfinite(sums["loss_sum"]):
-            raise TrainingDivergedError(
-                f"non-finite loss in steps {step + 1}-{stop}; stopped, the last good "
-                f"checkpoint in {config.model_dir} is kept")
+            raise faults.TrainingDivergedError(
+                f"non-finite loss at step {step + int(sums['steps'])}; stopped without "
+                f"saving it: the last good checkpoint in {config.model_dir} is kept "
+                f"(lower the learning rate, or pass --on_nan=skip_step)")
         progress.add(sums, stop - step, watch.seconds)
         step = stop
         step_var.assign(step)
+        # One worker alone cannot stop: in multi-worker runs, wait for the summed flag.
+        if sums["stop_requested"] > 0 or (sigterm.requested and not multi_worker):
+            manager.save(checkpoint_number=step)
+            raise faults.Preempted(f"preempted (SIGTERM): saved a checkpoint at step "
+                                   f"{step} in {config.model_dir}; run the same command "
+                                   f"to resume")
         if due("log"):
             last_train = progress.log(step, float(schedule(optimizer.iterations)))
         if due("eval"):
@@ -251,6 +263,7 @@ def _finish(config: Config, model, history: dict, context: dict) -> dict:
         "images_per_second": progress.images_per_second(history["step"]),
         "steps": history["step"], "epochs": history["step"] / plan.steps_per_epoch,
         "resumed_from_step": progress.start_step,
+        "skipped_steps": progress.skipped_steps,
         "model": config.model, "dataset": config.dataset,
         "strategy": type(runtime.strategy).__name__, "replicas": runtime.num_replicas,
         "device": runtime.device_kind, "precision": context["precision"],

@@ -2,7 +2,10 @@
 
 The only module that reads absl flags. It turns them into one frozen `Config`,
 validates it before any heavy work, and calls `loop.train_and_evaluate`.
-Bad settings end with a one-line error on stderr and exit status 2.
+Exit status: 0 done; 2 bad settings or input (a one-line error on stderr, before
+training); 3 the loss diverged (last good checkpoint kept); 4 a multi-worker run
+lost a worker (restart all to resume); 75 preempted by SIGTERM
+(a checkpoint of the current step was saved: run the same command to resume).
 """
 import dataclasses
 import os
@@ -14,7 +17,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from data import augment as augment_lib, sources  # noqa: E402
 import models  # noqa: E402
-from trainer import checkpoints, config as config_lib, loop, recipes  # noqa: E402
+from trainer import checkpoints, config as config_lib, faults, loop, recipes  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 
 _D = config_lib.Config()  # flag defaults come from the Config dataclass
@@ -85,6 +88,11 @@ flags.DEFINE_integer("shuffle_buffer", _D.shuffle_buffer, "Training shuffle buff
 flags.DEFINE_string("augment", _D.augment, "Training augmentation: "
                     f"{_CHOICES(augment_lib.TRAIN_AUGMENTATIONS)} (default: the "
                     "dataset's own: pad_crop_flip for CIFAR, flip_saturation for flowers).")
+flags.DEFINE_bool("deterministic", _D.deterministic,
+                  "Deterministic ops: the same command gives bitwise the same weights on "
+                  "the same machine, also across a kill and resume (slower on GPU).")
+flags.DEFINE_string("on_nan", _D.on_nan, "On a non-finite loss: stop (error naming the "
+                    "step; checkpoints kept) or skip_step (drop that update, count it).")
 flags.DEFINE_integer("seed", _D.seed, "Seed for weights, shuffling and augmentation.")
 
 FLAGS = flags.FLAGS
@@ -122,6 +130,19 @@ def main(argv: list[str]) -> None:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except faults.Preempted as err:
+        print(f"stopped: {err}", file=sys.stderr)
+        sys.exit(faults.PREEMPTED_EXIT_CODE)
+    except faults.TrainingDivergedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(3)
+    except faults.PEER_FAILURES as err:
+        if FLAGS.strategy != "multi_worker":
+            raise
+        print(f"error: lost another worker ({type(err).__name__}: "
+              f"{str(err).splitlines()[0][:200]}); restart all workers with the same "
+              f"command to resume from the last checkpoint", file=sys.stderr)
+        sys.exit(4)
 
 
 if __name__ == "__main__":

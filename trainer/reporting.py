@@ -20,6 +20,7 @@ class Progress:
         self.global_batch_size = global_batch_size
         self.start_step = start_step
         self.train_seconds = 0.0
+        self.skipped_steps = 0  # updates dropped for a non-finite loss (--on_nan)
         self._window = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
         self._window_seconds, self._window_steps = 0.0, 0
 
@@ -29,6 +30,11 @@ class Progress:
         self._window_seconds += seconds
         self._window_steps += num_steps
         self.train_seconds += seconds
+        skipped = int(sums.get("skipped", 0))
+        if skipped:
+            logging.warning("non-finite loss: skipped %d update(s) (%d in this run)",
+                            skipped, self.skipped_steps + skipped)
+        self.skipped_steps += skipped
 
     def images_per_second(self, step: int) -> float:
         images = (step - self.start_step) * self.global_batch_size

@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 
 METRIC_KEYS = ("loss_sum", "correct", "count")
+TRAIN_KEYS = METRIC_KEYS + ("skipped",)  # skipped: 1 if the update was dropped (NaN)
 
 
 def _sums(per_example_loss: tf.Tensor, logits: tf.Tensor, labels: tf.Tensor,
@@ -21,9 +22,13 @@ def _sums(per_example_loss: tf.Tensor, logits: tf.Tensor, labels: tf.Tensor,
 
 
 def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
-               images: tf.Tensor, labels: tf.Tensor,
-               global_batch_size: int) -> dict[str, tf.Tensor]:
-    """Forward, loss, gradients, update, on one replica."""
+               images: tf.Tensor, labels: tf.Tensor, global_batch_size: int,
+               skip_nonfinite: bool = False) -> dict[str, tf.Tensor]:
+    """Forward, loss, gradients, update, on one replica.
+
+    skip_nonfinite: if the loss is NaN/inf on any replica, no replica applies the
+    update (weights and optimizer state stay as they were) and `skipped` is 1.
+    """
     with tf.GradientTape() as tape:
         # float32 logits for the loss, whatever the mixed-precision policy.
         logits = tf.cast(model(images, training=True), tf.float32)
@@ -42,8 +47,14 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
     # The cross-replica all-reduce happens here: under a distribution strategy
     # apply_gradients sums the gradients over all replicas, then every replica
     # applies the same update to its copy of the weights.
-    optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-    return _sums(per_example_loss, logits, labels, tf.ones_like(per_example_loss))
+    if not skip_nonfinite:
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return {**_sums(per_example_loss, logits, labels,
+                        tf.ones_like(per_example_loss)), "skipped": tf.constant(0.0)}
+    skipped = apply_if_finite(optimizer, gradients, model.trainable_variables, loss)
+    kept = tf.cast(skipped == 0, tf.float32)  # a skipped step counts no examples
+    return {**_sums(tf.where(kept > 0, per_example_loss, 0.0), logits, labels,
+                    kept * tf.ones_like(per_example_loss)), "skipped": skipped}
 
 
 def eval_step(model: keras.Model, images: tf.Tensor, labels: tf.Tensor,
@@ -53,3 +64,24 @@ def eval_step(model: keras.Model, images: tf.Tensor, labels: tf.Tensor,
     per_example_loss = keras.losses.sparse_categorical_crossentropy(
         labels, logits, from_logits=True)
     return _sums(per_example_loss, logits, labels, tf.cast(mask, tf.float32))
+
+
+def apply_if_finite(optimizer: keras.optimizers.Optimizer, gradients, variables,
+                    loss: tf.Tensor) -> tf.Tensor:
+    """Applies the update unless the loss is non-finite on ANY replica; returns this
+    replica's share of the skip count (1 / replicas if skipped: the sums over
+    replicas then count the step once). The decision is all-reduced so every replica (and worker) agrees,
+    and the cond runs in the cross-replica context, where a branch may all-reduce
+    (as Keras' LossScaleOptimizer does)."""
+    context = tf.distribute.get_replica_context()
+    bad = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                             tf.cast(tf.logical_not(tf.math.is_finite(loss)), tf.float32))
+
+    def cross_replica(strategy, bad, gradients):
+        def apply(grads):
+            optimizer.apply_gradients(zip(grads, variables))
+        tf.cond(strategy.experimental_local_results(bad)[0] > 0, lambda: None,
+                lambda: strategy.extended.call_for_each_replica(apply, args=(gradients,)))
+
+    context.merge_call(cross_replica, args=(bad, gradients))
+    return tf.cast(bad > 0, tf.float32) / context.num_replicas_in_sync

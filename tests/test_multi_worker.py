@@ -1,0 +1,87 @@
+"""Several workers on localhost: MultiWorkerMirroredStrategy via trainer.launch."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from test_main import ROOT, _main
+
+# No batch-norm, no dropout, no shuffle or augmentation: global batch k holds the
+# same examples however the workers split it, so 1 and 2 workers must agree.
+EXACT = ["--model=convnet", "--model_size=tiny", "--dataset=synthetic",
+         "--image_size=32", "--batch_size=16", "--train_steps=6", "--steps_per_loop=2",
+         "--checkpoint_every=3", "--eval_every=6", "--precision=float32",
+         "--shuffle_buffer=0", "--augment=none", "--optimizer=sgd",
+         "--learning_rate=0.05"]
+
+
+def _launch(*args, workers=2):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.Popen([sys.executable, "-m", "trainer.launch",
+                             f"--workers={workers}", "--", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _weights(checkpoint_dir: str) -> dict[str, np.ndarray]:
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(checkpoint_dir))
+    """Every variable in the latest checkpoint: weights and optimizer state."""
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if name.endswith("VARIABLE_VALUE") and not name.startswith("save_counter")}
+
+
+def test_two_workers_agree_with_each_other_and_with_one_worker(tmp_path):
+    two = str(tmp_path / "two")
+    proc = _launch(*EXACT, f"--model_dir={two}")
+    output = proc.communicate(timeout=400)[0]
+    assert proc.returncode == 0, output[-3000:]
+    assert "[worker 0]" in output and "[worker 1]" in output
+    assert "MultiWorkerMirroredStrategy" in output
+    chief = _weights(two)
+    other = _weights(os.path.join(two, ".worker_tmp", "worker_1"))
+    assert chief.keys() == other.keys() and len(chief) >= 10
+    for name in chief:  # the same weights on both workers, bit for bit
+        np.testing.assert_array_equal(chief[name], other[name], err_msg=name)
+    one = str(tmp_path / "one")
+    single = _main(*EXACT, f"--model_dir={one}")
+    assert single.returncode == 0, single.stderr[-2000:]
+    for name, value in _weights(one).items():
+        np.testing.assert_allclose(chief[name], value, rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
+    assert os.path.exists(os.path.join(two, "metrics.json"))
+    assert not os.path.exists(os.path.join(two, ".worker_tmp", "worker_1",
+                                           "metrics.json"))
+
+
+def test_a_dead_worker_stops_the_others_and_a_restart_resumes(tmp_path):
+    model_dir = str(tmp_path / "run")
+    args = [*EXACT, "--train_steps=100000", "--checkpoint_every=2",
+            f"--model_dir={model_dir}"]
+    proc = _launch(*args)
+    pids, started = {}, time.time()
+    for line in proc.stdout:
+        if line.startswith("[launch] worker"):
+            index, pid = line.split()[2].rstrip(":"), int(line.split()[4].rstrip(","))
+            pids[index] = pid
+        if tf.train.latest_checkpoint(model_dir) or time.time() - started > 300:
+            break
+    assert tf.train.latest_checkpoint(model_dir), "no checkpoint was written"
+    os.kill(pids["1"], signal.SIGKILL)
+    killed = time.time()
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0
+    assert time.time() - killed < 60
+    # Either the launcher sees worker 1 die first, or worker 0 notices the lost peer.
+    assert ("worker 1 exited with status -9; stopping the others" in output
+            or "[worker 0] error: lost another worker" in output), output[-3000:]
+    assert not os.path.exists(f"/proc/{pids['0']}") or open(
+        f"/proc/{pids['0']}/status").read().find("zombie") >= 0
+    step = int(tf.train.latest_checkpoint(model_dir).rsplit("-", 1)[1])
+    restart = _launch(*EXACT, f"--train_steps={step + 2}", "--checkpoint_every=2",
+                      f"--model_dir={model_dir}")
+    output = restart.communicate(timeout=400)[0]
+    assert restart.returncode == 0, output[-3000:]
+    assert f"at step {step}" in output
