@@ -51,14 +51,23 @@ def test_cli_trains_and_writes_weights_and_metrics(tmp_path):
     ("--lr_schedule=linear", "unknown lr_schedule 'linear'"),
     ("--strategy=ps", "unknown strategy 'ps'"),
     ("--cpu_replicas=3", "does not divide by --cpu_replicas=3"),
+    ("--on_nan=retry", "unknown on_nan 'retry'; valid: skip_step, stop"),
+    ("--augment=mixup", "unknown augment 'mixup'; valid: crop_flip_saturation"),
+    ("--model=xception --model_size=full --image_size=32", "at least 71x71"),
+    ("--dataset=tfrecord:/nonexistent/x*.tfrec", "no dataset.json beside "
+     "'/nonexistent/x*.tfrec'"),
 ])
 def test_bad_input_is_one_line_and_exit_status_2(tmp_path, flag, message):
-    result = _main(*TINY, f"--model_dir={tmp_path}", flag)
-    assert result.returncode == 2
+    checkpoint = tmp_path / "checkpoint"  # a user's checkpoint index: never touched
+    checkpoint.write_text('model_checkpoint_path: "ckpt-7"\n')
+    result = _main(*TINY, f"--model_dir={tmp_path}", *flag.split())
+    assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: ")
-    assert not (tmp_path / "checkpoint").exists()
+    assert checkpoint.read_text() == 'model_checkpoint_path: "ckpt-7"\n'
+    assert sorted(os.listdir(tmp_path)) in (["checkpoint"],
+                                           ["checkpoint", "run_config.json"])
 
 
 def test_tpu_local_falls_back_with_a_warning_unless_required(tmp_path):

@@ -179,8 +179,9 @@ def train_and_evaluate(config: Config) -> dict:
         logging.info("Resumed from %s at step %d", restored, int(step_var.numpy()))
     manager = checkpoints.make_manager(config.model_dir, checkpoint,
                                        config.keep_checkpoints, is_chief, task_id)
-    train_dataset, eval_dataset = _distributed_datasets(config, spec, strategy, plan,
-                                                        int(step_var.numpy()))
+    with _data_errors_explained(spec):  # the training cache is filled here
+        train_dataset, eval_dataset = _distributed_datasets(config, spec, strategy, plan,
+                                                            int(step_var.numpy()))
     # On a TPU every step is XLA-compiled anyway; an inner jit_compile is redundant.
     wrap_jit = jit and runtime.device_kind != "tpu"
     train_loop = distributed.make_train_loop(strategy, model, optimizer,
@@ -264,6 +265,7 @@ def _finish(config: Config, model, history: dict, context: dict) -> dict:
         "steps": history["step"], "epochs": history["step"] / plan.steps_per_epoch,
         "resumed_from_step": progress.start_step,
         "skipped_steps": progress.skipped_steps,
+        "weights_sha256": reporting.weights_checksum(model),
         "model": config.model, "dataset": config.dataset,
         "strategy": type(runtime.strategy).__name__, "replicas": runtime.num_replicas,
         "device": runtime.device_kind, "precision": context["precision"],

@@ -1,4 +1,5 @@
 """Progress lines, images/sec, ETA, and metrics.json."""
+import hashlib
 import json
 import os
 import time
@@ -79,3 +80,11 @@ def write_json(path: str, values: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(values, f, indent=2, sort_keys=True)
     os.replace(tmp, path)
+
+
+def weights_checksum(model) -> str:
+    """SHA-256 of every weight array in order: equal iff the weights are bitwise equal."""
+    digest = hashlib.sha256()
+    for weights in model.get_weights():
+        digest.update(weights.tobytes())
+    return digest.hexdigest()
