@@ -44,3 +44,12 @@ def test_precision_auto_and_explicit():
     assert strategy_lib.resolve_precision("auto", "tpu") == "mixed_bfloat16"
     assert strategy_lib.resolve_precision("float32", "tpu") == "float32"
     assert strategy_lib.resolve_precision("auto", "cpu") in ("mixed_bfloat16", "float32")
+
+
+def test_deterministic_runs_use_float32_on_cpu_by_default():
+    assert strategy_lib.resolve_precision("auto", "cpu", deterministic=True) == "float32"
+    assert strategy_lib.resolve_precision("auto", "tpu", deterministic=True) == (
+        "mixed_bfloat16")
+    # An explicit choice is kept (with a warning in the log).
+    assert strategy_lib.resolve_precision("mixed_bfloat16", "cpu", True) == (
+        "mixed_bfloat16")

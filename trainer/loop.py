@@ -156,7 +156,8 @@ def train_and_evaluate(config: Config) -> dict:
     runtime = strategy_lib.create(config.strategy, config.tpu, config.require_tpu,
                                   config.cpu_replicas)
     strategy = runtime.strategy
-    precision = strategy_lib.resolve_precision(config.precision, runtime.device_kind)
+    precision = strategy_lib.resolve_precision(config.precision, runtime.device_kind,
+                                               config.deterministic)
     jit = strategy_lib.resolve_jit(config.jit_compile, runtime.device_kind)
     is_chief, task_id = _worker_role(strategy)
     checkpoints.prepare_model_dir(config.model_dir, config.as_dict(), is_chief)
