@@ -115,7 +115,8 @@ def find_corrupt(pattern: str) -> str | None:
             for index, record in enumerate(tf.data.TFRecordDataset(path)):
                 parse(record)
         except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as err:
-            message = str(err).splitlines()[0].split("}}")[-1].strip()
+            message = str(err).splitlines()[0].split("}}")[-1].split(" [Op:")[0]
+            message = message.split("' failed with ")[0].strip(" '")
             return (f"corrupt or truncated TFRecord file {path} (after record {index}): "
                     f"{message[:120]}; rewrite it with python -m data.make_tfrecords")
     return None

@@ -194,7 +194,11 @@ def train_and_evaluate(config: Config) -> dict:
         history = _run(config, plan, iter(train_dataset), train_loop,
                        lambda: _evaluate(eval_loop, eval_dataset, plan), step_var,
                        manager, optimizer, schedule, sigterm, is_multi_worker(strategy))
-    return _finish(config, model, history, context)
+    metrics = _finish(config, model, history, context)
+    if is_multi_worker(strategy):  # leave together: the chief hosts the coordination
+        strategy.reduce(tf.distribute.ReduceOp.SUM,  # service the others still use
+                        strategy.run(lambda: tf.constant(1.0)), axis=None)
+    return metrics
 
 
 def is_multi_worker(strategy: tf.distribute.Strategy) -> bool:
