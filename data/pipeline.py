@@ -61,23 +61,10 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
     if examples < 0 or (cache and 1 < shuffle_buffer < examples):
         # Counts, and fills the cache: the block shuffle must never re-read the source.
         examples = fill_cache(ds)
-    batches_per_epoch = examples // batch
-    if batches_per_epoch == 0:
-        raise ValueError(f"this input pipeline has fewer examples than one batch of "
-                         f"{batch}; lower the batch size")
     pipeline_seed = seed * 7919 + context.input_pipeline_id  # workers differ
-
-    def one_epoch(epoch: tf.Tensor) -> tf.data.Dataset:
-        shuffled = block_shuffle(ds, shuffle_buffer, tf.stack(
-            [tf.constant(pipeline_seed, tf.int64), epoch]), examples)
-        batches = shuffled.batch(batch, drop_remainder=True).take(batches_per_epoch)
-        return batches.enumerate().map(
-            lambda index, example: (tf.stack([epoch, index]), *example))
-
     # The data position: this pipeline's replicas consume `per_step` batches a step.
     per_step = context.num_replicas_in_sync // context.num_input_pipelines
-    start_epoch, skip = divmod(start_step * per_step, batches_per_epoch)
-    ds = tf.data.Dataset.range(start_epoch, 2**62).flat_map(one_epoch).skip(skip)
+    ds = _epochs(ds, examples, batch, shuffle_buffer, pipeline_seed, start_step * per_step)
 
     def augment_and_normalize(position, images, labels):
         key = tf.cast(tf.stack([pipeline_seed, position[0] * 1_000_003 + position[1]]),
@@ -86,6 +73,26 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
 
     ds = ds.map(augment_and_normalize, num_parallel_calls=AUTOTUNE)
     return ds.prefetch(AUTOTUNE)
+
+
+def _epochs(ds: tf.data.Dataset, examples: int, batch: int, shuffle_buffer: int,
+            seed: int, start_batch: int) -> tf.data.Dataset:
+    """Endless (position, images, labels) batches from batch number `start_batch` on;
+    position = [epoch, batch in epoch]. Epoch e's order depends only on (seed, e)."""
+    batches_per_epoch = examples // batch
+    if batches_per_epoch == 0:
+        raise ValueError(f"this input pipeline has fewer examples than one batch of "
+                         f"{batch}; lower the batch size")
+
+    def one_epoch(epoch: tf.Tensor) -> tf.data.Dataset:
+        shuffled = block_shuffle(ds, shuffle_buffer, tf.stack(
+            [tf.constant(seed, tf.int64), epoch]), examples)
+        batches = shuffled.batch(batch, drop_remainder=True).take(batches_per_epoch)
+        return batches.enumerate().map(
+            lambda index, example: (tf.stack([epoch, index]), *example))
+
+    start_epoch, skip = divmod(start_batch, batches_per_epoch)
+    return tf.data.Dataset.range(start_epoch, 2**62).flat_map(one_epoch).skip(skip)
 
 
 def block_shuffle(ds: tf.data.Dataset, block: int, seed: tf.Tensor,

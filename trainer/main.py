@@ -84,7 +84,9 @@ flags.DEFINE_integer("eval_every", _D.eval_every,
 flags.DEFINE_integer("checkpoint_every", _D.checkpoint_every,
                      "Steps between checkpoints (0: at the end of every epoch).")
 flags.DEFINE_integer("keep_checkpoints", _D.keep_checkpoints, "Checkpoints kept.")
-flags.DEFINE_integer("shuffle_buffer", _D.shuffle_buffer, "Training shuffle buffer.")
+flags.DEFINE_integer("shuffle_buffer", _D.shuffle_buffer, "Training shuffle: blocks of "
+                     "this many examples, visited in a random order, each permuted; the "
+                     "order depends only on --seed and the epoch (0: no shuffle).")
 flags.DEFINE_string("augment", _D.augment, "Training augmentation: "
                     f"{_CHOICES(augment_lib.TRAIN_AUGMENTATIONS)} (default: the "
                     "dataset's own: pad_crop_flip for CIFAR, flip_saturation for flowers).")
