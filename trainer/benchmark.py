@@ -1,0 +1,244 @@
+"""Training throughput, side by side in one process:
+
+    python -m trainer.benchmark --model=cifar_cnn --batch_size=1024 [--steps=10 --rounds=3]
+
+Cases (all the same model and global batch, on this machine's default device):
+ours (in-memory batches), Keras model.fit at the same precision and XLA setting,
+ours fed by the real input pipeline (TFDS + augmentation), ours with
+--steps_per_loop=1, ours in the other precision, ours with XLA toggled. The cases run
+interleaved, round after round, so drifting machine load hits all of them alike;
+the table gives the median over rounds. FLOPs per training image are counted from
+the forward graph (TF's profiler, float ops of the inference graph at batch 1) times
+3 (the backward pass is about twice the forward), and compared with this machine's
+peak measured in the same run: a 2048x2048 matmul in the same precision.
+Prints a Markdown table and writes JSON (--output).
+"""
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from data import augment, pipeline, sources  # noqa: E402
+import models  # noqa: E402
+from trainer import distributed, optimizers  # noqa: E402
+from trainer import strategy as strategy_lib  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    runner: str          # "ours" | "fit"
+    precision: str
+    jit: bool
+    steps_per_loop: int = 10
+    data: str = "memory"  # "memory" | "pipeline"
+
+
+def _in_memory(shape, num_classes: int, batch: int) -> tf.data.Dataset:
+    images = tf.random.stateless_normal((batch, *shape), seed=(1, 2))
+    labels = tf.random.stateless_uniform((batch,), (3, 4), maxval=num_classes,
+                                         dtype=tf.int32)
+    return tf.data.Dataset.from_tensors((images, labels)).repeat()
+
+
+def _real_pipeline(spec, shape, batch: int, data_dir, context) -> tf.data.Dataset:
+    ds, n = sources.load(spec, spec.train_split, data_dir, context=context)
+    prepare = (augment.make_resize(shape[0])
+               if spec.variable_size or tuple(shape) != spec.image_shape else None)
+    return pipeline.make_train(ds, context, batch, augment.TRAIN_AUGMENTATIONS[spec.augment],
+                               augment.make_normalize(spec.mean, spec.std), 10_000,
+                               prepare=prepare, num_examples=n, shard=False)
+
+
+class Runner:
+    """One case, built once; run(steps) trains that many steps and returns seconds."""
+
+    def __init__(self, case: Case, args, spec, shape):
+        self.case, self.batch = case, args.batch_size
+        keras.mixed_precision.set_global_policy(case.precision)
+        keras.utils.set_random_seed(0)
+        strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+        with strategy.scope():
+            self.model = models.build(args.model, spec.num_classes, shape,
+                                      tiny=args.model_size == "tiny")
+            optimizer = optimizers.create("adam", 1e-3, self.model.trainable_variables,
+                                          precision=case.precision)
+        if case.runner == "fit":
+            self.model.compile(optimizer=optimizer, jit_compile=case.jit,
+                               loss=keras.losses.SparseCategoricalCrossentropy(
+                                   from_logits=True))
+            self.dataset = _in_memory(shape, spec.num_classes, self.batch)
+        else:
+            self.loop = distributed.make_train_loop(strategy, self.model, optimizer,
+                                                    self.batch, case.jit)
+            if case.data == "pipeline":
+                dataset = strategy.distribute_datasets_from_function(
+                    lambda ctx: _real_pipeline(spec, shape, self.batch, args.data_dir, ctx))
+            else:
+                dataset = strategy.experimental_distribute_dataset(
+                    _in_memory(shape, spec.num_classes, self.batch))
+            self.iterator = iter(dataset)
+        keras.mixed_precision.set_global_policy("float32")
+
+    def run(self, steps: int) -> float:
+        start = time.perf_counter()
+        if self.case.runner == "fit":
+            timer = _StepTimer()
+            self.model.fit(self.dataset, steps_per_epoch=steps, epochs=1, verbose=0,
+                           callbacks=[timer])
+            return timer.end - timer.start
+        else:
+            done, per_call = 0, self.case.steps_per_loop
+            while done < steps:
+                n = min(per_call, steps - done)
+                float(self.loop(self.iterator, tf.constant(n))["loss_sum"])  # waits
+                done += n
+        return time.perf_counter() - start
+
+
+def training_flops_per_image(model_name: str, num_classes: int, shape,
+                             tiny: bool = False) -> float:
+    """3 x the forward pass's float ops, counted by TF's profiler on the graph."""
+    from tensorflow.python.framework import convert_to_constants
+    model = models.build(model_name, num_classes, shape, tiny=tiny)
+    forward = tf.function(lambda x: model(x, training=False)).get_concrete_function(
+        tf.TensorSpec((1, *shape), tf.float32))
+    graph = convert_to_constants.convert_variables_to_constants_v2(forward).graph
+    options = tf.compat.v1.profiler.ProfileOptionBuilder.float_operation()
+    options["output"] = "none"
+    info = tf.compat.v1.profiler.profile(graph=graph, options=options)
+    return 3.0 * info.total_float_ops
+
+
+def peak_flops(precision: str, n: int = 2048, repeats: int = 20) -> float:
+    """FLOP/s of n x n matmuls in the compute dtype of `precision`, best of 3. The
+    matmuls are chained (each uses the last one's result) and the inputs are
+    arguments, so graph optimizations can neither fold nor merge them."""
+    dtype = tf.bfloat16 if precision == "mixed_bfloat16" else (
+        tf.float16 if precision == "mixed_float16" else tf.float32)
+    x = tf.cast(tf.random.normal((n, n)), dtype)
+    w = tf.cast(tf.random.normal((n, n)) / n ** 0.5, dtype)  # keeps the scale
+
+    @tf.function
+    def chain(x, w):
+        for _ in range(repeats):
+            x = tf.matmul(x, w)
+        return tf.reduce_sum(tf.cast(x[:1], tf.float32))
+
+    chain(x, w)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        float(chain(x, w))
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 * repeats / best
+
+
+class _StepTimer(keras.callbacks.Callback):
+    """fit()'s time from the first step's start to the last step's end: the per-call
+    setup (data adapter, callbacks) is left out, as our loop's iterator is built once."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 0:
+            self.start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.end = time.perf_counter()
+
+
+def cases(precision: str, jit: bool, steps_per_loop: int) -> list[Case]:
+    other = "float32" if precision != "float32" else "mixed_bfloat16"
+    return [
+        Case("ours", "ours", precision, jit, steps_per_loop),
+        Case("model.fit", "fit", precision, jit),
+        Case("ours, real input pipeline", "ours", precision, jit, steps_per_loop,
+             "pipeline"),
+        Case("ours, steps_per_loop=1", "ours", precision, jit, 1),
+        Case(f"ours, {other}", "ours", other, jit, steps_per_loop),
+        Case(f"ours, XLA {'off' if jit else 'on'}", "ours", precision, not jit,
+             steps_per_loop),
+    ]
+
+
+def measure(args) -> dict:
+    spec = sources.get_spec(args.dataset)
+    size = args.image_size or spec.image_shape[0]
+    shape = (size, size, spec.image_shape[2])
+    precision = strategy_lib.resolve_precision(args.precision, "cpu")
+    runners = [Runner(c, args, spec, shape)
+               for c in cases(precision, args.jit_compile == "true", args.steps_per_loop)]
+    for runner in runners:  # trace, fill caches and warm up before timing
+        runner.run(max(2, runner.case.steps_per_loop))
+    seconds = {r.case.name: [] for r in runners}
+    for _ in range(args.rounds):
+        for runner in runners:
+            seconds[runner.case.name].append(runner.run(args.steps))
+    flops = training_flops_per_image(args.model, spec.num_classes, shape,
+                                     args.model_size == "tiny")
+    peaks = {p: peak_flops(p, args.peak_size)
+             for p in {precision, "float32", "mixed_bfloat16"}}
+    rows = []
+    for runner in runners:
+        rate = args.steps * args.batch_size / statistics.median(seconds[runner.case.name])
+        rows.append({**dataclasses.asdict(runner.case), "images_per_second": rate,
+                     "achieved_flops": rate * flops,
+                     "fraction_of_peak": rate * flops / peaks[runner.case.precision],
+                     "seconds_per_round": seconds[runner.case.name]})
+    return {"model": args.model, "dataset": args.dataset, "image_shape": shape,
+            "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds,
+            "training_flops_per_image": flops, "peak_flops": peaks, "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    base = result["rows"][0]["images_per_second"]
+    lines = [f"{result['model']}, batch {result['batch_size']}, "
+             f"{result['image_shape'][0]}x{result['image_shape'][1]}: "
+             f"{result['training_flops_per_image'] / 1e6:.0f} MFLOP per training image; "
+             "peak " + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s"
+                                 for p, v in sorted(result["peak_flops"].items())),
+             "", "| case | precision | XLA | steps/loop | img/s | vs ours | GFLOP/s | "
+             "of peak |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in result["rows"]:
+        lines.append(f"| {row['name']} | {row['precision']} | "
+                     f"{'on' if row['jit'] else 'off'} | "
+                     f"{row['steps_per_loop'] if row['runner'] == 'ours' else '-'} | "
+                     f"{row['images_per_second']:,.0f} | "
+                     f"{row['images_per_second'] / base:.2f} | "
+                     f"{row['achieved_flops'] / 1e9:.0f} | "
+                     f"{100 * row['fraction_of_peak']:.0f}% |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="cifar_cnn", choices=models.names())
+    parser.add_argument("--model_size", default="full", choices=("full", "tiny"))
+    parser.add_argument("--dataset", default="cifar10", choices=sources.names())
+    parser.add_argument("--batch_size", type=int, default=1024)
+    parser.add_argument("--image_size", type=int, default=0)
+    parser.add_argument("--precision", default="auto")
+    parser.add_argument("--jit_compile", default="false", choices=("true", "false"))
+    parser.add_argument("--steps_per_loop", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--data_dir", default=None)
+    parser.add_argument("--peak_size", type=int, default=2048, help="matmul size for "
+                        "the peak FLOP/s")
+    parser.add_argument("--output", default="", help="JSON file to write")
+    args = parser.parse_args(argv)
+    result = measure(args)
+    print(markdown(result))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
