@@ -9,7 +9,7 @@ from typing import Callable
 
 import keras
 
-from models import cifar_cnn, convnet, resnet, squeezenet, xception
+from models import cifar_cnn, convnet, resnet, resnet_fast, squeezenet, xception
 
 Builder = Callable[..., keras.Model]
 
@@ -17,6 +17,7 @@ _BUILDERS: dict[str, Builder] = {
     "cifar_cnn": cifar_cnn.build,
     "convnet": convnet.build,
     "resnet": resnet.build,
+    "resnet_fast": resnet_fast.build,
     "squeezenet": squeezenet.build,
     "xception": xception.build,
 }

@@ -48,7 +48,7 @@ def test_cli_trains_and_writes_weights_and_metrics(tmp_path):
     ("--dataset=mnist", "unknown dataset 'mnist'; valid: cifar10, synthetic, tf_flowers"),
     ("--optimizer=lion", "unknown optimizer 'lion'; valid: adam, adamw, sgd"),
     ("--precision=fp8", "unknown precision 'fp8'"),
-    ("--lr_schedule=linear", "unknown lr_schedule 'linear'"),
+    ("--lr_schedule=onecycle", "unknown lr_schedule 'onecycle'"),
     ("--strategy=ps", "unknown strategy 'ps'"),
     ("--cpu_replicas=3", "does not divide by --cpu_replicas=3"),
     ("--on_nan=retry", "unknown on_nan 'retry'; valid: skip_step, stop"),

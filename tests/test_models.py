@@ -6,13 +6,14 @@ import pytest
 import models
 from models import squeezenet, xception
 
-SHAPES = {"cifar_cnn": (32, 32, 3), "resnet": (32, 32, 3), "convnet": (64, 64, 3),
+SHAPES = {"cifar_cnn": (32, 32, 3), "resnet": (32, 32, 3), "resnet_fast": (32, 32, 3),
+          "convnet": (64, 64, 3),
           "squeezenet": (64, 64, 3), "xception": (64, 64, 3)}
 
 
 def test_unknown_model_lists_known_ones():
     with pytest.raises(ValueError, match="unknown model 'resnet9'; valid: cifar_cnn, "
-                                         "convnet, resnet, squeezenet, xception"):
+                                         "convnet, resnet, resnet_fast, squeezenet, xception"):
         models.build("resnet9", 10, (32, 32, 3))
 
 
@@ -86,3 +87,12 @@ def test_weights_errors_are_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(keras.applications, "Xception", offline)
     with pytest.raises(ValueError, match=xception.IMAGENET_FILE):
         models.build("xception", 5, (96, 96, 3), weights="imagenet")
+
+
+def test_resnet_fast_is_a_resnet9_with_fast_batch_norm():
+    model = models.build("resnet_fast", 10, (32, 32, 3))
+    convs = [layer for layer in model.layers if isinstance(layer, keras.layers.Conv2D)]
+    assert [c.filters for c in convs] == [32, 64, 64, 64, 128, 256, 256, 256]
+    norms = [layer for layer in model.layers
+             if isinstance(layer, keras.layers.BatchNormalization)]
+    assert len(norms) == 8 and all(n.momentum == 0.6 for n in norms)

@@ -58,6 +58,12 @@ def test_sample_points_cover_start_warmup_end():
     assert steps[0] == 0 and WARMUP in steps and steps[-1] == TOTAL - 1
 
 
+def test_linear_is_the_one_cycle_triangle():
+    middle = WARMUP + (TOTAL - WARMUP) // 2
+    assert _lr("linear", middle) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert _lr("linear", TOTAL) == pytest.approx(0.1)
+
+
 def test_unknown_schedule_lists_valid_ones():
-    with pytest.raises(ValueError, match="valid: constant, exponential, cosine, rampup"):
-        schedules.WarmupSchedule("linear", 1.0, TOTAL, PER_EPOCH)
+    with pytest.raises(ValueError, match="valid: constant, exponential, cosine, linear"):
+        schedules.WarmupSchedule("onecycle", 1.0, TOTAL, PER_EPOCH)

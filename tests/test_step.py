@@ -1,6 +1,7 @@
 """The per-replica step and its distributed wrapper."""
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from conftest import CPUS, mirrored
@@ -106,3 +107,25 @@ def test_jit_compiled_step_matches_plain_step():
     loop(iter(strategy.experimental_distribute_dataset(dataset)), tf.constant(1))
     for a, b in zip(plain.get_weights(), model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_label_smoothing_raises_the_loss_of_a_confident_right_answer():
+    logits = tf.constant([[10.0, -10.0, -10.0]])
+    labels = tf.constant([0])
+    plain = float(step._loss(labels, logits, 0.0)[0])
+    smoothed = float(step._loss(labels, logits, 0.1)[0])
+    # 0.1 of the target is spread uniformly: 1/30 on each wrong class, at logit -10.
+    assert plain < 1e-6 and smoothed == pytest.approx(2 / 30 * 20, rel=0.01)
+
+
+def test_flip_tta_evaluates_an_image_and_its_mirror():
+    model = _no_bn_model()
+    images, labels = _batch()
+    mask = tf.ones(8)
+    mirrored = tf.reverse(images, axis=[2])
+    tta = step.eval_step(model, images, labels, mask, tta_flip=True)
+    tta_of_mirror = step.eval_step(model, mirrored, labels, mask, tta_flip=True)
+    plain = step.eval_step(model, images, labels, mask)
+    np.testing.assert_allclose(float(tta["loss_sum"]), float(tta_of_mirror["loss_sum"]),
+                               rtol=1e-5)  # symmetric in the flip
+    assert float(tta["loss_sum"]) != pytest.approx(float(plain["loss_sum"]))

@@ -59,6 +59,8 @@ class Config:
     augment: str = ""                   # "": the dataset's default augmentation
     deterministic: bool = False         # op determinism: bitwise reproducible on CPU
     on_nan: str = "stop"                # stop | skip_step (a non-finite loss)
+    label_smoothing: float = 0.0
+    tta_flip: bool = False              # evaluate on each image and its mirror image
     seed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -103,6 +105,9 @@ def validate(config: Config, model_names, dataset_names) -> Config:
         _check_positive(name, getattr(config, name), allow_zero=True)
     if config.epochs == 0 and config.train_steps == 0:
         raise ConfigError("nothing to train: set --epochs or --train_steps above 0")
+    if not 0 <= config.label_smoothing < 1:
+        raise ConfigError(f"--label_smoothing must be in [0, 1), got "
+                          f"{config.label_smoothing}")
     if not 0 < config.lr_decay_rate <= 1:
         raise ConfigError(f"--lr_decay_rate must be in (0, 1], got {config.lr_decay_rate}")
     if config.batch_size % config.cpu_replicas:

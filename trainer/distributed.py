@@ -42,7 +42,7 @@ def _make_loop(strategy: tf.distribute.Strategy, replica_fn: Callable, keys,
 
 def make_train_loop(strategy: tf.distribute.Strategy, model, optimizer,
                     global_batch_size: int, jit_compile: bool,
-                    on_nan: str = "stop") -> Callable:
+                    on_nan: str = "stop", label_smoothing: float = 0.0) -> Callable:
     """Returns train_loop(iterator, num_steps) -> metric sums and `steps` run.
 
     on_nan="stop": the loop returns right after a step with a non-finite loss (its
@@ -53,14 +53,14 @@ def make_train_loop(strategy: tf.distribute.Strategy, model, optimizer,
 
     def replica_fn(images, labels):
         return step.train_step(model, optimizer, images, labels, global_batch_size,
-                               skip_nonfinite=skip)
+                               skip_nonfinite=skip, label_smoothing=label_smoothing)
     return _make_loop(strategy, replica_fn, step.TRAIN_KEYS, jit_compile,
                       stop_on_nonfinite=not skip)
 
 
-def make_eval_loop(strategy: tf.distribute.Strategy, model,
-                   jit_compile: bool) -> Callable:
+def make_eval_loop(strategy: tf.distribute.Strategy, model, jit_compile: bool,
+                   tta_flip: bool = False) -> Callable:
     """Returns eval_loop(iterator, num_steps) -> masked metric sums."""
     def replica_fn(images, labels, mask):
-        return step.eval_step(model, images, labels, mask)
+        return step.eval_step(model, images, labels, mask, tta_flip)
     return _make_loop(strategy, replica_fn, step.METRIC_KEYS, jit_compile)

@@ -186,8 +186,9 @@ def train_and_evaluate(config: Config) -> dict:
     # On a TPU every step is XLA-compiled anyway; an inner jit_compile is redundant.
     wrap_jit = jit and runtime.device_kind != "tpu"
     train_loop = distributed.make_train_loop(strategy, model, optimizer,
-                                             config.batch_size, wrap_jit, config.on_nan)
-    eval_loop = distributed.make_eval_loop(strategy, model, wrap_jit)
+                                             config.batch_size, wrap_jit, config.on_nan,
+                                             config.label_smoothing)
+    eval_loop = distributed.make_eval_loop(strategy, model, wrap_jit, config.tta_flip)
     context = dict(runtime=runtime, precision=precision, jit=jit, plan=plan,
                    is_chief=is_chief)
     with _data_errors_explained(spec), faults.SigtermWatcher() as sigterm:

@@ -95,6 +95,10 @@ flags.DEFINE_bool("deterministic", _D.deterministic,
                   "the same machine, also across a kill and resume (slower on GPU).")
 flags.DEFINE_string("on_nan", _D.on_nan, "On a non-finite loss: stop (error naming the "
                     "step; checkpoints kept) or skip_step (drop that update, count it).")
+flags.DEFINE_float("label_smoothing", _D.label_smoothing,
+                   "Mix the one-hot target with uniform by this weight (0: off).")
+flags.DEFINE_bool("tta_flip", _D.tta_flip, "Evaluate on each test image and its "
+                  "mirror image, averaging the logits.")
 flags.DEFINE_integer("seed", _D.seed, "Seed for weights, shuffling and augmentation.")
 
 FLAGS = flags.FLAGS

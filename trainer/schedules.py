@@ -5,6 +5,8 @@ Every schedule starts with a linear warmup from `floor` to `peak` over
 - constant:     peak
 - exponential:  floor + (peak - floor) * decay_rate ** epochs_since_warmup
 - cosine:       floor + (peak - floor) * (1 + cos(pi * progress)) / 2, to the last step
+- linear:       floor + (peak - floor) * (1 - progress): with a warmup, the one-cycle
+                (triangular) schedule of the CIFAR-10 speed records
 - rampup:       the flowers codelab's lrfn: hold the peak for `sustain_steps`, then
                 decay exponentially per epoch towards `floor`
 Epochs here are fractional (step / steps_per_epoch), so the curve is smooth.
@@ -14,7 +16,7 @@ import math
 import keras
 import tensorflow as tf
 
-KINDS = ("constant", "exponential", "cosine", "rampup")
+KINDS = ("constant", "exponential", "cosine", "linear", "rampup")
 
 
 class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
@@ -34,9 +36,11 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         span = self.peak - self.floor
         if self.kind == "constant":
             return tf.fill(tf.shape(steps_since_warmup), self.peak)
-        if self.kind == "cosine":
+        if self.kind in ("cosine", "linear"):
             decay_steps = max(1, self.total_steps - self.warmup_steps)
             progress = tf.minimum(steps_since_warmup / decay_steps, 1.0)
+            if self.kind == "linear":
+                return self.floor + span * (1.0 - progress)
             return self.floor + span * 0.5 * (1.0 + tf.cos(math.pi * progress))
         if self.kind == "rampup":
             steps_since_warmup = tf.maximum(steps_since_warmup - self.sustain_steps, 0.0)

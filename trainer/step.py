@@ -21,9 +21,21 @@ def _sums(per_example_loss: tf.Tensor, logits: tf.Tensor, labels: tf.Tensor,
             "count": tf.reduce_sum(weights)}
 
 
+def _loss(labels: tf.Tensor, logits: tf.Tensor, label_smoothing: float) -> tf.Tensor:
+    """Per-example cross-entropy from logits; smoothing mixes the one-hot target with
+    the uniform distribution (weight `label_smoothing`)."""
+    if not label_smoothing:
+        return keras.losses.sparse_categorical_crossentropy(labels, logits,
+                                                            from_logits=True)
+    targets = tf.one_hot(labels, tf.shape(logits)[-1])
+    return keras.losses.categorical_crossentropy(targets, logits, from_logits=True,
+                                                 label_smoothing=label_smoothing)
+
+
 def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
                images: tf.Tensor, labels: tf.Tensor, global_batch_size: int,
-               skip_nonfinite: bool = False) -> dict[str, tf.Tensor]:
+               skip_nonfinite: bool = False,
+               label_smoothing: float = 0.0) -> dict[str, tf.Tensor]:
     """Forward, loss, gradients, update, on one replica.
 
     skip_nonfinite: if the loss is NaN/inf on any replica, no replica applies the
@@ -32,8 +44,7 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
     with tf.GradientTape() as tape:
         # float32 logits for the loss, whatever the mixed-precision policy.
         logits = tf.cast(model(images, training=True), tf.float32)
-        per_example_loss = keras.losses.sparse_categorical_crossentropy(
-            labels, logits, from_logits=True)
+        per_example_loss = _loss(labels, logits, label_smoothing)
         # Divide by the GLOBAL batch size, not this replica's: the replicas' gradients
         # are summed below, so the sum is the gradient of the global-batch mean.
         loss = tf.nn.compute_average_loss(per_example_loss,
@@ -58,9 +69,13 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
 
 
 def eval_step(model: keras.Model, images: tf.Tensor, labels: tf.Tensor,
-              mask: tf.Tensor) -> dict[str, tf.Tensor]:
-    """Loss and accuracy sums on one replica; padded examples (mask 0) count 0."""
+              mask: tf.Tensor, tta_flip: bool = False) -> dict[str, tf.Tensor]:
+    """Loss and accuracy sums on one replica; padded examples (mask 0) count 0.
+    tta_flip: average the logits of each image and its mirror image."""
     logits = tf.cast(model(images, training=False), tf.float32)
+    if tta_flip:
+        mirrored = tf.cast(model(tf.reverse(images, axis=[2]), training=False), tf.float32)
+        logits = (logits + mirrored) / 2
     per_example_loss = keras.losses.sparse_categorical_crossentropy(
         labels, logits, from_logits=True)
     return _sums(per_example_loss, logits, labels, tf.cast(mask, tf.float32))
