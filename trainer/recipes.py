@@ -18,8 +18,8 @@ RECIPES: dict[str, dict] = {
     # decoupled weight decay 5e-4, flip-and-translate augmentation, flip TTA.
     "resnet_fast": dict(dataset="cifar10", image_size=32, batch_size=512,
                         optimizer="sgd", momentum=0.9, learning_rate=0.4,
-                        lr_schedule="linear", warmup_epochs=4.0, weight_decay=5e-4,
-                        label_smoothing=0.2, tta_flip=True, epochs=16),
+                        lr_schedule="linear", warmup_epochs=2.5, weight_decay=5e-4,
+                        label_smoothing=0.2, tta_flip=True, epochs=10),
     # Seed 2, flowers at 192x192: the codelab's SqueezeNet target is 80% in 35 epochs.
     "squeezenet": dict(dataset="tf_flowers", image_size=192, batch_size=64,
                        optimizer="adam", learning_rate=5e-3, lr_schedule="exponential",
