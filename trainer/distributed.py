@@ -15,7 +15,10 @@ SUM = tf.distribute.ReduceOp.SUM
 
 
 def _make_loop(strategy: tf.distribute.Strategy, replica_fn: Callable, keys,
-               jit_compile: bool, stop_on_nonfinite: bool = False) -> Callable:
+               jit_compile: bool, training: str = "") -> Callable:
+    """training: "" (evaluation), "skip_step" or "stop_on_nonfinite" (return right
+    after a non-finite loss). Training loops also sum the stop-request flag across
+    workers; evaluation needs neither."""
     if jit_compile:  # XLA-compile the replica's step, as Keras' own fit() does
         replica_fn = tf.function(replica_fn, jit_compile=True)
 
@@ -30,8 +33,11 @@ def _make_loop(strategy: tf.distribute.Strategy, replica_fn: Callable, keys,
                       for key in keys}
             steps_run += 1
             # Every worker sees the same reduced loss, so all of them stop together.
-            if stop_on_nonfinite and not tf.math.is_finite(totals["loss_sum"]):
+            if training == "stop_on_nonfinite" and not tf.math.is_finite(
+                    totals["loss_sum"]):
                 break
+        if not training:
+            return {**totals, "steps": steps_run}
         # A stop request (SIGTERM) on any worker reaches every worker via this sum.
         stop = strategy.reduce(SUM, strategy.run(lambda: tf.identity(stop_flag)),
                                axis=None)
@@ -55,7 +61,7 @@ def make_train_loop(strategy: tf.distribute.Strategy, model, optimizer,
         return step.train_step(model, optimizer, images, labels, global_batch_size,
                                skip_nonfinite=skip, label_smoothing=label_smoothing)
     return _make_loop(strategy, replica_fn, step.TRAIN_KEYS, jit_compile,
-                      stop_on_nonfinite=not skip)
+                      training="skip_step" if skip else "stop_on_nonfinite")
 
 
 def make_eval_loop(strategy: tf.distribute.Strategy, model, jit_compile: bool,
