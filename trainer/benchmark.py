@@ -25,9 +25,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from data import augment, pipeline, sources  # noqa: E402
+from data import sources  # noqa: E402
 import models  # noqa: E402
-from trainer import distributed, optimizers  # noqa: E402
+from trainer import distributed, loop, optimizers  # noqa: E402
+from trainer.config import Config  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 
 
@@ -46,15 +47,6 @@ def _in_memory(shape, num_classes: int, batch: int) -> tf.data.Dataset:
     labels = tf.random.stateless_uniform((batch,), (3, 4), maxval=num_classes,
                                          dtype=tf.int32)
     return tf.data.Dataset.from_tensors((images, labels)).repeat()
-
-
-def _real_pipeline(spec, shape, batch: int, data_dir, context) -> tf.data.Dataset:
-    ds, n = sources.load(spec, spec.train_split, data_dir, context=context)
-    prepare = (augment.make_resize(shape[0])
-               if spec.variable_size or tuple(shape) != spec.image_shape else None)
-    return pipeline.make_train(ds, context, batch, augment.TRAIN_AUGMENTATIONS[spec.augment],
-                               augment.make_normalize(spec.mean, spec.std), 10_000,
-                               prepare=prepare, num_examples=n, shard=False)
 
 
 class Runner:
@@ -78,9 +70,13 @@ class Runner:
         else:
             self.loop = distributed.make_train_loop(strategy, self.model, optimizer,
                                                     self.batch, case.jit)
-            if case.data == "pipeline":
+            if case.data == "pipeline":  # exactly what trainer.main trains on
+                config = Config(model=args.model, dataset=args.dataset,
+                                image_size=shape[0], batch_size=self.batch,
+                                data_dir=args.data_dir)
+                _, train_examples = sources.load(spec, spec.train_split, args.data_dir)
                 dataset = strategy.distribute_datasets_from_function(
-                    lambda ctx: _real_pipeline(spec, shape, self.batch, args.data_dir, ctx))
+                    loop.train_input_fn(config, spec, train_examples))
             else:
                 dataset = strategy.experimental_distribute_dataset(
                     _in_memory(shape, spec.num_classes, self.batch))

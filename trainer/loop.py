@@ -60,13 +60,18 @@ def image_shape(config: Config, spec: sources.DatasetSpec) -> tuple[int, int, in
     return (size, size, spec.image_shape[2])
 
 
-def _distributed_datasets(config: Config, spec: sources.DatasetSpec,
-                          strategy: tf.distribute.Strategy, plan: Plan, start_step: int):
-    """Training data resumes at `start_step` (the data position is the step)."""
-    normalize = augment.make_normalize(spec.mean, spec.std)
+def _prepare(config: Config, spec: sources.DatasetSpec):
+    """Per-example decode-time resize, when the run's size differs from the data's."""
     shape = image_shape(config, spec)
-    prepare = (augment.make_resize(shape[0])
-               if spec.variable_size or shape != spec.image_shape else None)
+    return (augment.make_resize(shape[0])
+            if spec.variable_size or shape != spec.image_shape else None)
+
+
+def train_input_fn(config: Config, spec: sources.DatasetSpec, train_examples: int,
+                   start_step: int = 0):
+    """The training input for `distribute_datasets_from_function`: each input
+    worker's pipeline, resuming at `start_step` (the data position is the step)."""
+    normalize = augment.make_normalize(spec.mean, spec.std)
     train_augment = augment.TRAIN_AUGMENTATIONS[config.augment or spec.augment]
 
     def train_fn(context):
@@ -74,15 +79,23 @@ def _distributed_datasets(config: Config, spec: sources.DatasetSpec,
                              context=context)  # this worker's shard
         return pipeline.make_train(ds, context, config.batch_size, train_augment,
                                    normalize, config.shuffle_buffer, seed=config.seed,
-                                   prepare=prepare, num_examples=plan.train_examples,
-                                   shard=False, start_step=start_step)
+                                   prepare=_prepare(config, spec),
+                                   num_examples=train_examples, shard=False,
+                                   start_step=start_step)
+    return train_fn
+
+
+def _distributed_datasets(config: Config, spec: sources.DatasetSpec,
+                          strategy: tf.distribute.Strategy, plan: Plan, start_step: int):
+    normalize = augment.make_normalize(spec.mean, spec.std)
 
     def eval_fn(context):
         ds, n = sources.load(spec, spec.eval_split, config.data_dir, config.download_data)
         return pipeline.make_eval(ds, n, context, config.batch_size, normalize,
-                                  prepare=prepare)
+                                  prepare=_prepare(config, spec))
 
-    return (strategy.distribute_datasets_from_function(train_fn),
+    return (strategy.distribute_datasets_from_function(
+                train_input_fn(config, spec, plan.train_examples, start_step)),
             strategy.distribute_datasets_from_function(eval_fn))
 
 
