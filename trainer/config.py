@@ -61,6 +61,7 @@ class Config:
     on_nan: str = "stop"                # stop | skip_step (a non-finite loss)
     label_smoothing: float = 0.0
     tta_flip: bool = False              # evaluate on each image and its mirror image
+    ema_decay: float = 0.0              # per-step weight averaging (0: off), see averaging.py
     seed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -108,6 +109,9 @@ def validate(config: Config, model_names, dataset_names) -> Config:
     if not 0 <= config.label_smoothing < 1:
         raise ConfigError(f"--label_smoothing must be in [0, 1), got "
                           f"{config.label_smoothing}")
+    if not 0 <= config.ema_decay < 1:
+        raise ConfigError(f"--ema_decay must be in [0, 1) (0: no averaging), got "
+                          f"{config.ema_decay}")
     if not 0 < config.lr_decay_rate <= 1:
         raise ConfigError(f"--lr_decay_rate must be in (0, 1], got {config.lr_decay_rate}")
     if config.batch_size % config.cpu_replicas:

@@ -13,7 +13,8 @@ import tensorflow as tf
 
 from data import augment, pipeline, sources
 import models
-from trainer import checkpoints, distributed, faults, optimizers, reporting, schedules
+from trainer import averaging, checkpoints, distributed, faults, optimizers, reporting
+from trainer import schedules
 from trainer import strategy as strategy_lib
 from trainer.config import Config, ConfigError
 
@@ -113,27 +114,10 @@ def _build_state(config: Config, spec: sources.DatasetSpec, plan: Plan, precisio
         sustain_steps=round(config.sustain_epochs * plan.steps_per_epoch),
         floor=config.min_learning_rate)
     optimizer = optimizers.create(config.optimizer, schedule, model.trainable_variables,
-                                  config.weight_decay, config.momentum, precision)
+                                  config.weight_decay, config.momentum, precision,
+                                  config.ema_decay)
     step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
     return model, schedule, optimizer, step
-
-
-def _log_setup(config, spec, runtime, plan, precision, jit, schedule, model) -> None:
-    logging.info("Strategy: %s", runtime.describe())
-    logging.info("Batch: global %d = %d replicas x %d per replica | precision %s | "
-                 "XLA %s", config.batch_size, runtime.num_replicas,
-                 plan.per_replica_batch, precision, "on" if jit else "off")
-    logging.info("Model %s: %s parameters | data %s: %d train / %d eval examples | "
-                 "%d steps (%d per epoch, %.2f epochs)", config.model,
-                 f"{model.count_params():,}", config.dataset, plan.train_examples,
-                 plan.eval_examples, plan.total_steps, plan.steps_per_epoch,
-                 plan.total_steps / plan.steps_per_epoch)
-    if spec.holdout_fraction:
-        logging.info("Evaluation split: a fixed %.0f%% of %s %r held out by a hash of the "
-                     "example index (same every run); training uses the rest",
-                     100 * spec.holdout_fraction, spec.name, spec.train_split)
-    logging.info("LR schedule %s: %s", config.lr_schedule, ", ".join(
-        f"step {s}: {lr:.3g}" for s, lr in schedules.sample_points(schedule)))
 
 
 def _next_stop(step: int, total: int, steps_per_loop: int, *intervals: int) -> int:
@@ -187,7 +171,7 @@ def train_and_evaluate(config: Config) -> dict:
     with strategy.scope():
         model, schedule, optimizer, step_var = _build_state(config, spec, plan, precision)
         checkpoint = checkpoints.training_checkpoint(model, optimizer, step_var)
-    _log_setup(config, spec, runtime, plan, precision, jit, schedule, model)
+    reporting.log_setup(config, spec, runtime, plan, precision, jit, schedule, model)
     restored = checkpoints.restore_latest(checkpoint, config.model_dir)
     if restored:
         logging.info("Resumed from %s at step %d", restored, int(step_var.numpy()))
@@ -206,9 +190,12 @@ def train_and_evaluate(config: Config) -> dict:
                    is_chief=is_chief)
     with _data_errors_explained(spec), faults.SigtermWatcher() as sigterm:
         history = _run(config, plan, iter(train_dataset), train_loop,
-                       lambda: _evaluate(eval_loop, eval_dataset, plan), step_var,
+                       lambda: averaging.evaluate_raw_and_averaged(
+                           lambda: _evaluate(eval_loop, eval_dataset, plan), optimizer),
+                       step_var,
                        manager, optimizer, schedule, sigterm, is_multi_worker(strategy))
-    metrics = _finish(config, model, history, context)
+    with averaging.averaged_weights(optimizer):  # save (and checksum) what was evaluated
+        metrics = _finish(config, model, history, context)
     if is_multi_worker(strategy):  # leave together: the chief hosts the coordination
         strategy.reduce(tf.distribute.ReduceOp.SUM,  # service the others still use
                         strategy.run(lambda: tf.constant(1.0)), axis=None)
@@ -263,9 +250,11 @@ def _run(config: Config, plan: Plan, train_iterator, train_loop, evaluate, step_
 
 def _eval_record(evaluate, step: int, plan: Plan, wall, progress) -> dict:
     result = evaluate()
-    logging.info("eval at step %d (epoch %.2f): test loss %.4f  test accuracy %.4f  "
+    raw = (f"  (raw weights: {result['test_accuracy_raw']:.4f})"
+           if "test_accuracy_raw" in result else "")
+    logging.info("eval at step %d (epoch %.2f): test loss %.4f  test accuracy %.4f%s  "
                  "(%d examples)", step, step / plan.steps_per_epoch, result["test_loss"],
-                 result["test_accuracy"], result["test_examples"])
+                 result["test_accuracy"], raw, result["test_examples"])
     return {"step": step, "epoch": step / plan.steps_per_epoch,
             "wall_seconds": wall.elapsed(), "train_seconds": progress.train_seconds,
             **result}

@@ -99,6 +99,10 @@ flags.DEFINE_float("label_smoothing", _D.label_smoothing,
                    "Mix the one-hot target with uniform by this weight (0: off).")
 flags.DEFINE_bool("tta_flip", _D.tta_flip, "Evaluate on each test image and its "
                   "mirror image, averaging the logits.")
+flags.DEFINE_float("ema_decay", _D.ema_decay, "Weight averaging: keep an exponential "
+                   "moving average of the weights with this per-step decay (e.g. 0.99) "
+                   "and evaluate and save it; metrics also show the raw weights' "
+                   "accuracy (0: off).")
 flags.DEFINE_integer("seed", _D.seed, "Seed for weights, shuffling and augmentation.")
 
 FLAGS = flags.FLAGS

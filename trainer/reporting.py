@@ -6,6 +6,8 @@ import time
 
 from absl import logging
 
+from trainer import schedules
+
 
 def _duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
@@ -88,3 +90,26 @@ def weights_checksum(model) -> str:
     for weights in model.get_weights():
         digest.update(weights.tobytes())
     return digest.hexdigest()
+
+
+def log_setup(config, spec, runtime, plan, precision: str, jit: bool, schedule,
+              model) -> None:
+    """The run's set-up in a few log lines, before the first step."""
+    logging.info("Strategy: %s", runtime.describe())
+    logging.info("Batch: global %d = %d replicas x %d per replica | precision %s | "
+                 "XLA %s", config.batch_size, runtime.num_replicas,
+                 plan.per_replica_batch, precision, "on" if jit else "off")
+    logging.info("Model %s: %s parameters | data %s: %d train / %d eval examples | "
+                 "%d steps (%d per epoch, %.2f epochs)", config.model,
+                 f"{model.count_params():,}", config.dataset, plan.train_examples,
+                 plan.eval_examples, plan.total_steps, plan.steps_per_epoch,
+                 plan.total_steps / plan.steps_per_epoch)
+    if spec.holdout_fraction:
+        logging.info("Evaluation split: a fixed %.0f%% of %s %r held out by a hash of the "
+                     "example index (same every run); training uses the rest",
+                     100 * spec.holdout_fraction, spec.name, spec.train_split)
+    if config.ema_decay:
+        logging.info("Weight averaging: EMA with decay %g per step; evaluation and "
+                     "model.weights.h5 use the average", config.ema_decay)
+    logging.info("LR schedule %s: %s", config.lr_schedule, ", ".join(
+        f"step {s}: {lr:.3g}" for s, lr in schedules.sample_points(schedule)))
