@@ -34,6 +34,7 @@ from trainer import strategy as strategy_lib  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
 class Case:
+    key: str             # for --cases
     name: str
     runner: str          # "ours" | "fit"
     precision: str
@@ -149,18 +150,24 @@ class _StepTimer(keras.callbacks.Callback):
         self.end = time.perf_counter()
 
 
-def cases(precision: str, jit: bool, steps_per_loop: int) -> list[Case]:
+CASE_KEYS = ("ours", "fit", "pipeline", "loop1", "precision", "xla")
+
+
+def cases(precision: str, jit: bool, steps_per_loop: int,
+          keys=CASE_KEYS) -> list[Case]:
+    """The cases named by `keys`; "ours" (the baseline of every ratio) always runs."""
     other = "float32" if precision != "float32" else "mixed_bfloat16"
-    return [
-        Case("ours", "ours", precision, jit, steps_per_loop),
-        Case("model.fit", "fit", precision, jit),
-        Case("ours, real input pipeline", "ours", precision, jit, steps_per_loop,
-             "pipeline"),
-        Case("ours, steps_per_loop=1", "ours", precision, jit, 1),
-        Case(f"ours, {other}", "ours", other, jit, steps_per_loop),
-        Case(f"ours, XLA {'off' if jit else 'on'}", "ours", precision, not jit,
+    every = [
+        Case("ours", "ours", "ours", precision, jit, steps_per_loop),
+        Case("fit", "model.fit", "fit", precision, jit),
+        Case("pipeline", "ours, real input pipeline", "ours", precision, jit,
+             steps_per_loop, "pipeline"),
+        Case("loop1", "ours, steps_per_loop=1", "ours", precision, jit, 1),
+        Case("precision", f"ours, {other}", "ours", other, jit, steps_per_loop),
+        Case("xla", f"ours, XLA {'off' if jit else 'on'}", "ours", precision, not jit,
              steps_per_loop),
     ]
+    return [case for case in every if case.key == "ours" or case.key in keys]
 
 
 def measure(args) -> dict:
@@ -169,7 +176,8 @@ def measure(args) -> dict:
     shape = (size, size, spec.image_shape[2])
     precision = strategy_lib.resolve_precision(args.precision, "cpu")
     runners = [Runner(c, args, spec, shape)
-               for c in cases(precision, args.jit_compile == "true", args.steps_per_loop)]
+               for c in cases(precision, args.jit_compile == "true", args.steps_per_loop,
+                              args.cases.split(","))]
     for runner in runners:  # trace, fill caches and warm up before timing
         runner.run(max(2, runner.case.steps_per_loop))
     seconds = {r.case.name: [] for r in runners}
@@ -227,8 +235,15 @@ def main(argv=None) -> None:
     parser.add_argument("--data_dir", default=None)
     parser.add_argument("--peak_size", type=int, default=2048, help="matmul size for "
                         "the peak FLOP/s")
+    parser.add_argument("--cases", default=",".join(CASE_KEYS),
+                        help="comma-separated subset of " + ",".join(CASE_KEYS) +
+                        " (ours always runs: it is the baseline)")
     parser.add_argument("--output", default="", help="JSON file to write")
     args = parser.parse_args(argv)
+    unknown = set(args.cases.split(",")) - set(CASE_KEYS)
+    if unknown:
+        parser.error(f"unknown --cases {', '.join(sorted(unknown))}; valid: "
+                     f"{','.join(CASE_KEYS)}")
     result = measure(args)
     print(markdown(result))
     if args.output:
