@@ -27,7 +27,7 @@ import tensorflow as tf  # noqa: E402
 
 from data import sources  # noqa: E402
 import models  # noqa: E402
-from trainer import distributed, loop, optimizers  # noqa: E402
+from trainer import distributed, inputs, optimizers  # noqa: E402
 from trainer.config import Config  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 
@@ -77,7 +77,7 @@ class Runner:
                                 data_dir=args.data_dir)
                 _, train_examples = sources.load(spec, spec.train_split, args.data_dir)
                 dataset = strategy.distribute_datasets_from_function(
-                    loop.train_input_fn(config, spec, train_examples))
+                    inputs.train_input_fn(config, spec, train_examples))
             else:
                 dataset = strategy.experimental_distribute_dataset(
                     _in_memory(shape, spec.num_classes, self.batch))

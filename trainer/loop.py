@@ -6,15 +6,18 @@ import contextlib
 import dataclasses
 import math
 import os
+import sys
+from typing import IO
 
 from absl import logging
 import keras
 import tensorflow as tf
 
-from data import augment, pipeline, sources
+from data import pipeline, sources
 import models
-from trainer import averaging, checkpoints, distributed, faults, optimizers, reporting
-from trainer import schedules
+from trainer import averaging, checkpoints, distributed, evaluation, faults, inference
+from trainer import figures, inputs
+from trainer import optimizers, progress_bar, recorder as recorder_lib, reporting, schedules
 from trainer import strategy as strategy_lib
 from trainer.config import Config, ConfigError
 
@@ -56,63 +59,43 @@ def _worker_role(strategy: tf.distribute.Strategy) -> tuple[bool, int]:
                                     and not has_chief), task_id
 
 
-def image_shape(config: Config, spec: sources.DatasetSpec) -> tuple[int, int, int]:
-    size = config.image_size or spec.image_shape[0]
-    return (size, size, spec.image_shape[2])
-
-
-def _prepare(config: Config, spec: sources.DatasetSpec):
-    """Per-example decode-time resize, when the run's size differs from the data's."""
-    shape = image_shape(config, spec)
-    return (augment.make_resize(shape[0])
-            if spec.variable_size or shape != spec.image_shape else None)
-
-
-def train_input_fn(config: Config, spec: sources.DatasetSpec, train_examples: int,
-                   start_step: int = 0):
-    """The training input for `distribute_datasets_from_function`: each input
-    worker's pipeline, resuming at `start_step` (the data position is the step)."""
-    normalize = augment.make_normalize(spec.mean, spec.std)
-    train_augment = augment.TRAIN_AUGMENTATIONS[config.augment or spec.augment]
-
-    def train_fn(context):
-        ds, _ = sources.load(spec, spec.train_split, config.data_dir, config.download_data,
-                             context=context)  # this worker's shard
-        return pipeline.make_train(ds, context, config.batch_size, train_augment,
-                                   normalize, config.shuffle_buffer, seed=config.seed,
-                                   prepare=_prepare(config, spec),
-                                   num_examples=train_examples, shard=False,
-                                   start_step=start_step)
-    return train_fn
-
-
-def _distributed_datasets(config: Config, spec: sources.DatasetSpec,
-                          strategy: tf.distribute.Strategy, plan: Plan, start_step: int):
-    normalize = augment.make_normalize(spec.mean, spec.std)
-
-    def eval_fn(context):
-        ds, n = sources.load(spec, spec.eval_split, config.data_dir, config.download_data)
-        return pipeline.make_eval(ds, n, context, config.batch_size, normalize,
-                                  prepare=_prepare(config, spec))
-
-    return (strategy.distribute_datasets_from_function(
-                train_input_fn(config, spec, plan.train_examples, start_step)),
-            strategy.distribute_datasets_from_function(eval_fn))
-
-
-def _build_state(config: Config, spec: sources.DatasetSpec, plan: Plan, precision: str):
-    """Model, schedule, optimizer (built) and step counter; call inside the scope."""
-    try:
-        model = models.build(config.model, spec.num_classes, image_shape(config, spec),
-                             tiny=config.model_size == "tiny", weights=config.weights)
-    except ValueError as err:  # bad weights file, image too small for the model, ...
-        raise ConfigError(str(err)) from err
-    schedule = schedules.WarmupSchedule(
+def _schedule(config: Config, plan: Plan) -> schedules.WarmupSchedule:
+    return schedules.WarmupSchedule(
         config.lr_schedule, config.learning_rate, plan.total_steps, plan.steps_per_epoch,
         warmup_steps=round(config.warmup_epochs * plan.steps_per_epoch),
         decay_rate=config.lr_decay_rate,
         sustain_steps=round(config.sustain_epochs * plan.steps_per_epoch),
         floor=config.min_learning_rate)
+
+
+def plot_schedule(config: Config) -> str:
+    """Writes the run's learning-rate schedule to model_dir/lr_schedule.png (the
+    data is only counted, nothing is trained); returns the path."""
+    spec = sources.get_spec(config.dataset)
+    counts = [sources.load(spec, split, config.data_dir, config.download_data)[1]
+              for split in (spec.train_split, spec.eval_split)]
+    plan = Plan.make(config, *counts, num_replicas=config.cpu_replicas)
+    schedule = _schedule(config, plan)
+    os.makedirs(config.model_dir, exist_ok=True)
+    path = os.path.join(config.model_dir, "lr_schedule.png")
+    with open(path, "wb") as f:
+        f.write(figures.png_bytes(figures.schedule(
+            schedules.sample_points(schedule, 200), plan.steps_per_epoch,
+            f"{config.lr_schedule} schedule: {config.model} on {config.dataset}, "
+            f"{plan.total_steps} steps")))
+    logging.info("LR schedule %s: %s", config.lr_schedule, ", ".join(
+        f"step {s}: {lr:.3g}" for s, lr in schedules.sample_points(schedule)))
+    return path
+
+
+def _build_state(config: Config, spec: sources.DatasetSpec, plan: Plan, precision: str):
+    """Model, schedule, optimizer (built) and step counter; call inside the scope."""
+    try:
+        model = models.build(config.model, spec.num_classes, inputs.image_shape(config, spec),
+                             tiny=config.model_size == "tiny", weights=config.weights)
+    except ValueError as err:  # bad weights file, image too small for the model, ...
+        raise ConfigError(str(err)) from err
+    schedule = _schedule(config, plan)
     optimizer = optimizers.create(config.optimizer, schedule, model.trainable_variables,
                                   config.weight_decay, config.momentum, precision,
                                   config.ema_decay)
@@ -127,29 +110,11 @@ def _next_stop(step: int, total: int, steps_per_loop: int, *intervals: int) -> i
     return min(stops)
 
 
-def _evaluate(eval_loop, eval_dataset, plan: Plan) -> dict:
-    sums = {k: float(v) for k, v in eval_loop(iter(eval_dataset),
-                                              tf.constant(plan.eval_steps)).items()}
-    count = sums["count"]
-    return {"test_loss": sums["loss_sum"] / count, "test_accuracy": sums["correct"] / count,
-            "test_examples": int(round(count))}
-
-
-@contextlib.contextmanager
-def _data_errors_explained(spec: sources.DatasetSpec):
-    """A corrupt input file surfaces deep in the graph without its name: find it."""
-    try:
-        yield
-    except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as err:
-        culprit = sources.explain_read_error(spec)
-        if culprit:
-            raise sources.DatasetError(culprit) from err
-        raise
-
-
-def train_and_evaluate(config: Config) -> dict:
+def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     """Trains `config` in config.model_dir (resuming if a checkpoint is there),
-    evaluates, saves `model.weights.h5` and `metrics.json`; returns the metrics."""
+    evaluates, saves `model.weights.h5`, `metrics.json`, `summary.png` and
+    TensorBoard summaries; returns the metrics. display: where the live progress bar
+    goes if it is a terminal (default stderr; otherwise plain log lines)."""
     runtime = strategy_lib.create(config.strategy, config.tpu, config.require_tpu,
                                   config.cpu_replicas)
     strategy = runtime.strategy
@@ -173,30 +138,43 @@ def train_and_evaluate(config: Config) -> dict:
         checkpoint = checkpoints.training_checkpoint(model, optimizer, step_var)
     reporting.log_setup(config, spec, runtime, plan, precision, jit, schedule, model)
     restored = checkpoints.restore_latest(checkpoint, config.model_dir)
+    start_step = int(step_var.numpy())
     if restored:
-        logging.info("Resumed from %s at step %d", restored, int(step_var.numpy()))
+        logging.info("Resumed from %s at step %d", restored, start_step)
     manager = checkpoints.make_manager(config.model_dir, checkpoint,
                                        config.keep_checkpoints, is_chief, task_id)
-    with _data_errors_explained(spec):  # the training cache is filled here
-        train_dataset, eval_dataset = _distributed_datasets(config, spec, strategy, plan,
-                                                            int(step_var.numpy()))
+    with inputs.data_errors_explained(spec):  # the training cache is filled here
+        train_dataset, eval_dataset = inputs.distributed_datasets(config, spec, strategy, plan,
+                                                            start_step)
+        samples = evaluation.load_samples(spec, inputs.image_shape(config, spec)[0],
+                                          config.data_dir, config.download_data)
     # On a TPU every step is XLA-compiled anyway; an inner jit_compile is redundant.
     wrap_jit = jit and runtime.device_kind != "tpu"
     train_loop = distributed.make_train_loop(strategy, model, optimizer,
                                              config.batch_size, wrap_jit, config.on_nan,
                                              config.label_smoothing)
-    eval_loop = distributed.make_eval_loop(strategy, model, wrap_jit, config.tta_flip)
-    context = dict(runtime=runtime, precision=precision, jit=jit, plan=plan,
-                   is_chief=is_chief)
-    with _data_errors_explained(spec), faults.SigtermWatcher() as sigterm:
-        history = _run(config, plan, iter(train_dataset), train_loop,
-                       lambda: averaging.evaluate_raw_and_averaged(
-                           lambda: _evaluate(eval_loop, eval_dataset, plan), optimizer),
-                       step_var,
-                       manager, optimizer, schedule, sigterm, is_multi_worker(strategy))
+    eval_loop = distributed.make_eval_loop(
+        strategy, model, wrap_jit, config.tta_flip,
+        spec.num_classes if spec.num_classes <= evaluation.MAX_CONFUSION_CLASSES else 0)
+    evaluate = lambda: averaging.evaluate_raw_and_averaged(  # noqa: E731
+        lambda: evaluation.evaluate(eval_loop, eval_dataset, plan.eval_steps, model,
+                                    samples, spec), optimizer)
+    display = display or sys.stderr
+    bars = (progress_bar.EpochBars(plan.total_steps, plan.steps_per_epoch, display)
+            if is_chief and progress_bar.is_live_terminal(display) else None)
+    run = _Run(config, plan, step_var, manager, optimizer, schedule,
+               reporting.Progress(plan.total_steps, plan.steps_per_epoch,
+                                  config.batch_size, start_step, bars),
+               recorder_lib.Recorder(config.model_dir, is_chief, start_step,
+                                     spec.class_names, f"{config.model} on {config.dataset}"),
+               is_multi_worker(strategy))
+    with inputs.data_errors_explained(spec), faults.SigtermWatcher() as sigterm, (
+            bars.above_the_bar() if bars else contextlib.nullcontext()):
+        step = _train(run, iter(train_dataset), train_loop, evaluate, sigterm)
     with averaging.averaged_weights(optimizer):  # save (and checksum) what was evaluated
-        metrics = _finish(config, model, history, context)
-    if is_multi_worker(strategy):  # leave together: the chief hosts the coordination
+        metrics = _finish(run, model, step, dict(runtime=runtime, precision=precision,
+                                                 jit=jit, is_chief=is_chief))
+    if run.multi_worker:  # leave together: the chief hosts the coordination
         strategy.reduce(tf.distribute.ReduceOp.SUM,  # service the others still use
                         strategy.run(lambda: tf.constant(1.0)), axis=None)
     return metrics
@@ -206,16 +184,29 @@ def is_multi_worker(strategy: tf.distribute.Strategy) -> bool:
     return strategy.extended._in_multi_worker_mode()  # noqa: SLF001 (no public API)
 
 
-def _run(config: Config, plan: Plan, train_iterator, train_loop, evaluate, step_var,
-         manager, optimizer, schedule, sigterm, multi_worker: bool) -> dict:
-    """Train to plan.total_steps; log, evaluate and checkpoint on the way."""
-    step = int(step_var.numpy())
-    progress = reporting.Progress(plan.total_steps, plan.steps_per_epoch,
-                                  config.batch_size, start_step=step)
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """The state the outer loop drives."""
+    config: Config
+    plan: Plan
+    step_var: tf.Variable
+    manager: tf.train.CheckpointManager
+    optimizer: keras.optimizers.Optimizer
+    schedule: schedules.WarmupSchedule
+    progress: reporting.Progress
+    recorder: recorder_lib.Recorder
+    multi_worker: bool
+
+
+def _train(run: _Run, train_iterator, train_loop, evaluate, sigterm) -> int:
+    """Train to plan.total_steps; log, evaluate and checkpoint on the way. Returns
+    the last step."""
+    config, plan, progress = run.config, run.plan, run.progress
+    step = int(run.step_var.numpy())
     every = {"eval": config.eval_every or plan.steps_per_epoch,
              "checkpoint": config.checkpoint_every or plan.steps_per_epoch,
              "log": config.log_every or plan.steps_per_epoch}
-    evals, last_train, wall = [], {}, reporting.Stopwatch()
+    wall, evaluated = reporting.Stopwatch(), False
     due = lambda name: step % every[name] == 0 or step == plan.total_steps  # noqa: E731
     while step < plan.total_steps:
         stop = _next_stop(step, plan.total_steps, config.steps_per_loop, *every.values())
@@ -230,47 +221,53 @@ def _run(config: Config, plan: Plan, train_iterator, train_loop, evaluate, step_
                 f"(lower the learning rate, or pass --on_nan=skip_step)")
         progress.add(sums, stop - step, watch.seconds)
         step = stop
-        step_var.assign(step)
+        run.step_var.assign(step)
+        learning_rate = float(run.schedule(run.optimizer.iterations))
+        progress.show(step, learning_rate)
         # One worker alone cannot stop: in multi-worker runs, wait for the summed flag.
-        if sums["stop_requested"] > 0 or (sigterm.requested and not multi_worker):
-            manager.save(checkpoint_number=step)
+        if sums["stop_requested"] > 0 or (sigterm.requested and not run.multi_worker):
+            run.manager.save(checkpoint_number=step)
             raise faults.Preempted(f"preempted (SIGTERM): saved a checkpoint at step "
                                    f"{step} in {config.model_dir}; run the same command "
                                    f"to resume")
         if due("log"):
-            last_train = progress.log(step, float(schedule(optimizer.iterations)))
+            run.recorder.train(progress.log(step, learning_rate))
         if due("eval"):
-            evals.append(_eval_record(evaluate, step, plan, wall, progress))
+            _evaluate(run, evaluate, step, wall)
+            evaluated = step == plan.total_steps
         if due("checkpoint"):
-            manager.save(checkpoint_number=step)
-    if not evals or evals[-1]["step"] != step:  # e.g. resumed after the last step
-        evals.append(_eval_record(evaluate, step, plan, wall, progress))
-    return {"evals": evals, "last_train": last_train, "progress": progress, "step": step}
+            run.manager.save(checkpoint_number=step)
+    if not evaluated:  # e.g. resumed after the last step: the pictures need one
+        _evaluate(run, evaluate, step, wall)
+    return step
 
 
-def _eval_record(evaluate, step: int, plan: Plan, wall, progress) -> dict:
+def _evaluate(run: _Run, evaluate, step: int, wall: reporting.Stopwatch) -> None:
     result = evaluate()
     raw = (f"  (raw weights: {result['test_accuracy_raw']:.4f})"
            if "test_accuracy_raw" in result else "")
     logging.info("eval at step %d (epoch %.2f): test loss %.4f  test accuracy %.4f%s  "
-                 "(%d examples)", step, step / plan.steps_per_epoch, result["test_loss"],
-                 result["test_accuracy"], raw, result["test_examples"])
-    return {"step": step, "epoch": step / plan.steps_per_epoch,
-            "wall_seconds": wall.elapsed(), "train_seconds": progress.train_seconds,
-            **result}
+                 "(%d examples)", step, step / run.plan.steps_per_epoch,
+                 result["test_loss"], result["test_accuracy"], raw,
+                 result["test_examples"])
+    run.recorder.eval({"step": step, "epoch": step / run.plan.steps_per_epoch,
+                       "wall_seconds": wall.elapsed(),
+                       "train_seconds": run.progress.train_seconds, **result})
 
 
-def _finish(config: Config, model, history: dict, context: dict) -> dict:
-    """Write the weights and metrics.json (chief only); return the metrics."""
-    final, plan, runtime = history["evals"][-1], context["plan"], context["runtime"]
-    progress = history["progress"]
+def _finish(run: _Run, model, step: int, context: dict) -> dict:
+    """Write the weights, metrics.json and summary.png (chief only); return the
+    metrics."""
+    config, plan, runtime = run.config, run.plan, context["runtime"]
+    progress, history = run.progress, run.recorder.eval_history
+    last_train = run.recorder.train_history[-1] if run.recorder.train_history else {}
     metrics = {
-        **final,
-        "best_test_accuracy": max(e["test_accuracy"] for e in history["evals"]),
-        **history["last_train"],
-        "train_seconds": progress.train_seconds,
-        "images_per_second": progress.images_per_second(history["step"]),
-        "steps": history["step"], "epochs": history["step"] / plan.steps_per_epoch,
+        **history[-1],
+        "best_test_accuracy": max(e["test_accuracy"] for e in history),
+        **{k: last_train[k] for k in ("train_loss", "train_accuracy") if k in last_train},
+        "train_seconds": history[-1]["train_seconds"],
+        "images_per_second": progress.images_per_second(step),
+        "steps": step, "epochs": step / plan.steps_per_epoch,
         "resumed_from_step": progress.start_step,
         "skipped_steps": progress.skipped_steps,
         "weights_sha256": reporting.weights_checksum(model),
@@ -279,11 +276,11 @@ def _finish(config: Config, model, history: dict, context: dict) -> dict:
         "device": runtime.device_kind, "precision": context["precision"],
         "jit_compile": context["jit"], "global_batch_size": config.batch_size,
         "per_replica_batch_size": plan.per_replica_batch,
-        "eval_history": history["evals"],
     }
     if context["is_chief"]:
-        model.save_weights(os.path.join(config.model_dir, "model.weights.h5"))
-        reporting.write_json(os.path.join(config.model_dir, "metrics.json"), metrics)
+        model.save_weights(os.path.join(config.model_dir, inference.WEIGHTS_FILE))
+    metrics = run.recorder.finish(metrics, schedules.sample_points(run.schedule, 200),
+                                  plan.steps_per_epoch)
     logging.info("Done: test accuracy %.4f on %d examples, %.1f s training, %.0f img/s",
                  metrics["test_accuracy"], metrics["test_examples"],
                  metrics["train_seconds"], metrics["images_per_second"])

@@ -8,6 +8,7 @@ lost a worker (restart all to resume); 75 preempted by SIGTERM
 (a checkpoint of the current step was saved: run the same command to resume).
 """
 import dataclasses
+import logging as std_logging
 import os
 import sys
 
@@ -104,6 +105,8 @@ flags.DEFINE_float("ema_decay", _D.ema_decay, "Weight averaging: keep an exponen
                    "and evaluate and save it; metrics also show the raw weights' "
                    "accuracy (0: off).")
 flags.DEFINE_integer("seed", _D.seed, "Seed for weights, shuffling and augmentation.")
+flags.DEFINE_bool("plot_schedule", False, "Write the learning-rate schedule of these "
+                  "settings to <model_dir>/lr_schedule.png and exit without training.")
 
 FLAGS = flags.FLAGS
 
@@ -134,8 +137,14 @@ def main(argv: list[str]) -> None:
               file=sys.stderr)
         sys.exit(2)
     logging.set_verbosity(logging.INFO)
+    # TF adds its own stderr handler when imported before absl's: every TF record
+    # would print twice. absl's handler (on the root logger) prints them once.
+    std_logging.getLogger("tensorflow").handlers.clear()
     try:
         config = config_from_flags()
+        if FLAGS.plot_schedule:
+            print(f"wrote {loop.plot_schedule(config)}")
+            return
         loop.train_and_evaluate(config)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)

@@ -6,7 +6,7 @@ import time
 
 from absl import logging
 
-from trainer import schedules
+from trainer import progress_bar, schedules
 
 
 def _duration(seconds: float) -> str:
@@ -15,23 +15,24 @@ def _duration(seconds: float) -> str:
 
 
 class Progress:
-    """Accumulates step sums between log lines; all rates use training time only."""
+    """Accumulates step sums for the log lines (every --log_every steps, off a
+    terminal) or the live bar (on one); all rates use training time only."""
 
     def __init__(self, total_steps: int, steps_per_epoch: int, global_batch_size: int,
-                 start_step: int):
+                 start_step: int, bars: progress_bar.EpochBars | None = None):
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         self.global_batch_size = global_batch_size
         self.start_step = start_step
         self.train_seconds = 0.0
         self.skipped_steps = 0  # updates dropped for a non-finite loss (--on_nan)
-        self._window = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
-        self._window_seconds, self._window_steps = 0.0, 0
+        self.bars = bars
+        self._window = _Window()  # since the last log line
+        self._epoch = _Window()   # since the start of the epoch, for the bar
+        self._epoch_index = start_step // steps_per_epoch
 
     def add(self, sums: dict, num_steps: int, seconds: float) -> None:
-        for key in self._window:
-            self._window[key] += sums[key]
-        self._window_seconds += seconds
-        self._window_steps += num_steps
+        self._window.add(sums, num_steps, seconds)
+        self._epoch.add(sums, num_steps, seconds)
         self.train_seconds += seconds
         skipped = int(sums.get("skipped", 0))
         if skipped:
@@ -43,20 +44,56 @@ class Progress:
         images = (step - self.start_step) * self.global_batch_size
         return images / self.train_seconds if self.train_seconds else 0.0
 
+    def _eta(self, step: int, rate: float) -> str:
+        return _duration((self.total_steps - step) * self.global_batch_size /
+                         max(rate, 1e-9))
+
+    def show(self, step: int, learning_rate: float) -> None:
+        """Updates the live bar (if any) after the steps up to `step`: the epoch's
+        running loss and accuracy, and the run's ETA at this epoch's speed."""
+        if self.bars is None:
+            return
+        loss, accuracy, rate = self._epoch.means(self.global_batch_size)
+        self.bars.update(step, f"loss {loss:.4f}  acc {accuracy:.4f}  "
+                               f"lr {learning_rate:.3g}  {rate:,.0f} img/s  "
+                               f"run ETA {self._eta(step, rate)}")
+        if step % self.steps_per_epoch == 0:
+            self._epoch = _Window()
+
     def log(self, step: int, learning_rate: float) -> dict:
-        """Logs one line for the steps since the last call; returns its values."""
-        count = max(self._window["count"], 1.0)
-        loss, accuracy = self._window["loss_sum"] / count, self._window["correct"] / count
-        rate = (self._window_steps * self.global_batch_size /
-                max(self._window_seconds, 1e-9))
-        eta = (self.total_steps - step) * self.global_batch_size / max(rate, 1e-9)
-        logging.info("step %d/%d  epoch %.2f  loss %.4f  accuracy %.4f  lr %.3g  "
-                     "%.0f img/s  ETA %s", step, self.total_steps,
-                     step / self.steps_per_epoch, loss, accuracy, learning_rate, rate,
-                     _duration(eta))
-        self._window = dict.fromkeys(self._window, 0.0)
-        self._window_seconds, self._window_steps = 0.0, 0
-        return {"train_loss": loss, "train_accuracy": accuracy}
+        """The values since the last call (one plain log line unless a live bar
+        shows them); returns them as a train-history record."""
+        loss, accuracy, rate = self._window.means(self.global_batch_size)
+        if self.bars is None:
+            logging.info("step %d/%d  epoch %.2f  loss %.4f  accuracy %.4f  lr %.3g  "
+                         "%.0f img/s  ETA %s", step, self.total_steps,
+                         step / self.steps_per_epoch, loss, accuracy, learning_rate,
+                         rate, self._eta(step, rate))
+        self._window = _Window()
+        return {"step": step, "epoch": step / self.steps_per_epoch,
+                "train_seconds": self.train_seconds, "train_loss": loss,
+                "train_accuracy": accuracy, "learning_rate": learning_rate,
+                "images_per_second": rate}
+
+
+class _Window:
+    """Sums of loss, hits, examples, steps and seconds over some steps."""
+
+    def __init__(self):
+        self.sums = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
+        self.steps, self.seconds = 0, 0.0
+
+    def add(self, sums: dict, num_steps: int, seconds: float) -> None:
+        for key in self.sums:
+            self.sums[key] += sums[key]
+        self.steps += num_steps
+        self.seconds += seconds
+
+    def means(self, global_batch_size: int) -> tuple[float, float, float]:
+        """(mean loss, accuracy, images/sec)."""
+        count = max(self.sums["count"], 1.0)
+        rate = self.steps * global_batch_size / max(self.seconds, 1e-9)
+        return self.sums["loss_sum"] / count, self.sums["correct"] / count, rate
 
 
 class Stopwatch:

@@ -69,16 +69,24 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
 
 
 def eval_step(model: keras.Model, images: tf.Tensor, labels: tf.Tensor,
-              mask: tf.Tensor, tta_flip: bool = False) -> dict[str, tf.Tensor]:
+              mask: tf.Tensor, tta_flip: bool = False,
+              confusion_classes: int = 0) -> dict[str, tf.Tensor]:
     """Loss and accuracy sums on one replica; padded examples (mask 0) count 0.
-    tta_flip: average the logits of each image and its mirror image."""
+    tta_flip: average the logits of each image and its mirror image.
+    confusion_classes > 0: also a `confusion` matrix of counts [true, predicted]."""
     logits = tf.cast(model(images, training=False), tf.float32)
     if tta_flip:
         mirrored = tf.cast(model(tf.reverse(images, axis=[2]), training=False), tf.float32)
         logits = (logits + mirrored) / 2
     per_example_loss = keras.losses.sparse_categorical_crossentropy(
         labels, logits, from_logits=True)
-    return _sums(per_example_loss, logits, labels, tf.cast(mask, tf.float32))
+    mask = tf.cast(mask, tf.float32)
+    sums = _sums(per_example_loss, logits, labels, mask)
+    if confusion_classes:
+        sums["confusion"] = tf.math.confusion_matrix(
+            labels, tf.argmax(logits, -1, output_type=labels.dtype), confusion_classes,
+            weights=mask, dtype=tf.float32)
+    return sums
 
 
 def apply_if_finite(optimizer: keras.optimizers.Optimizer, gradients, variables,

@@ -1,0 +1,214 @@
+"""What a run shows and leaves: the progress bar or plain lines, TensorBoard
+summaries, summary.png, metrics.json's curves, the schedule plot, predict, export."""
+import io
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from data import sources
+import models
+from trainer import export, loop, predict, progress_bar, reporting
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture(autouse=True)
+def _no_ci(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+
+
+def test_live_terminal_detection(monkeypatch):
+    assert progress_bar.is_live_terminal(FakeTerminal())
+    assert not progress_bar.is_live_terminal(io.StringIO())  # a file or a pipe
+    monkeypatch.setenv("CI", "true")
+    assert not progress_bar.is_live_terminal(FakeTerminal())
+
+
+def _progress(bars=None):
+    progress = reporting.Progress(total_steps=20, steps_per_epoch=10,
+                                  global_batch_size=8, start_step=0, bars=bars)
+    for step in (5, 10, 15, 20):
+        progress.add({"loss_sum": 8.0, "correct": 4.0, "count": 8.0 * 5}, 5, 0.5)
+        progress.show(step, 0.1)
+        if step % 10 == 0:
+            progress.log(step, 0.1)
+    return progress
+
+
+def test_terminal_gets_a_live_bar_per_epoch_and_no_log_lines(caplog):
+    terminal = FakeTerminal()
+    bars = progress_bar.EpochBars(total_steps=20, steps_per_epoch=10, stream=terminal)
+    with caplog.at_level(logging.INFO):
+        _progress(bars)
+    bars.close()
+    shown = terminal.getvalue()
+    assert "\r" in shown  # redrawn in place
+    for text in ("epoch 1/2", "epoch 2/2", "10/10", "loss 0.2000", "acc 0.1000",
+                 "lr 0.1", "80 img/s", "run ETA 0:00:", "<"):  # "<": the epoch's ETA
+        assert text in shown, text
+    assert "step 10/20" not in caplog.text
+
+
+def test_plain_lines_off_a_terminal(caplog):
+    with caplog.at_level(logging.INFO):
+        _progress(bars=None)
+    lines = [r.getMessage() for r in caplog.records if "step " in r.getMessage()]
+    assert len(lines) == 2 and lines[0].startswith("step 10/20  epoch 1.00")
+    for text in ("loss 0.2000", "accuracy 0.1000", "lr 0.1", "80 img/s", "ETA 0:00:01"):
+        assert text in lines[0]  # 10 steps x 8 images left at 80 img/s: 1 s
+    assert lines[1].endswith("ETA 0:00:00")
+    assert not any("\r" in line or "\x1b" in line for line in lines)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One tiny run (2 evaluations) shown on a fake terminal."""
+    from trainer.config import Config
+    config = Config(model="cifar_cnn", model_size="tiny", dataset="synthetic",
+                    model_dir=str(tmp_path_factory.mktemp("run")), batch_size=16,
+                    train_steps=8, steps_per_loop=2, log_every=2, eval_every=4,
+                    precision="float32", shuffle_buffer=64)
+    terminal = FakeTerminal()
+    metrics = loop.train_and_evaluate(config, display=terminal)
+    return config, metrics, terminal.getvalue()
+
+
+def test_run_on_a_terminal_shows_the_bar(finished_run):
+    _, _, shown = finished_run
+    assert "epoch 1/1" in shown and "8/8" in shown and "img/s" in shown
+
+
+def _events(directory) -> dict[str, list]:
+    tags = {}
+    for name in os.listdir(directory):
+        for event in tf.compat.v1.train.summary_iterator(os.path.join(directory, name)):
+            for value in event.summary.value:
+                tags.setdefault(value.tag, []).append((event.step, value))
+    return tags
+
+
+def test_tensorboard_summaries_have_the_expected_tags(finished_run):
+    config, metrics, _ = finished_run
+    train = _events(os.path.join(config.model_dir, "train"))
+    evals = _events(os.path.join(config.model_dir, "eval"))
+    assert {"loss", "accuracy", "learning_rate", "images_per_second"} <= set(train)
+    assert [step for step, _ in train["loss"]] == [2, 4, 6, 8]
+    assert {"loss", "accuracy", "predictions", "confusion_matrix"} <= set(evals)
+    last_accuracy = tf.make_ndarray(evals["accuracy"][-1][1].tensor)
+    assert last_accuracy == pytest.approx(metrics["test_accuracy"])
+    step, image = evals["confusion_matrix"][-1]
+    assert step == 8
+    # An image summary is [width, height, PNG bytes...].
+    width, height, png = tf.make_ndarray(image.tensor)[:3]
+    assert png.startswith(PNG_SIGNATURE) and int(width) > 100 and int(height) > 100
+
+
+def test_summary_png_and_metrics_curves(finished_run):
+    config, metrics, _ = finished_run
+    path = os.path.join(config.model_dir, "summary.png")
+    data = open(path, "rb").read()
+    assert data.startswith(PNG_SIGNATURE)
+    image = tf.io.decode_png(data)
+    assert image.shape[0] >= 500 and image.shape[1] >= 800 and image.shape[2] in (3, 4)
+    written = json.load(open(os.path.join(config.model_dir, "metrics.json")))
+    assert written["status"] == "done"
+    assert [e["step"] for e in written["eval_history"]] == [4, 8]
+    for record in written["eval_history"]:
+        assert {"epoch", "wall_seconds", "train_seconds", "test_accuracy"} <= set(record)
+    assert [r["step"] for r in written["train_history"]] == [2, 4, 6, 8]
+    confusion = np.array(written["confusion_matrix"])
+    assert confusion.shape == (10, 10) and confusion.sum() == metrics["test_examples"]
+    assert np.trace(confusion) == round(metrics["test_accuracy"] * confusion.sum())
+
+
+def test_resumed_run_keeps_the_earlier_curve(finished_run):
+    config, _, _ = finished_run
+    metrics = loop.train_and_evaluate(config.replace(train_steps=12))
+    steps = [e["step"] for e in metrics["eval_history"]]
+    assert steps == [4, 8, 12]
+    seconds = [e["train_seconds"] for e in metrics["eval_history"]]
+    assert seconds == sorted(seconds)  # time continues across the resume
+
+
+def test_plot_schedule_writes_a_png(tiny_config):
+    path = loop.plot_schedule(tiny_config.replace(lr_schedule="cosine",
+                                                  warmup_epochs=0.001))
+    assert open(path, "rb").read().startswith(PNG_SIGNATURE)
+    assert not os.path.exists(os.path.join(tiny_config.model_dir, "metrics.json"))
+
+
+def _saved_tiny_model(model_dir) -> tf.keras.Model:
+    """A model_dir as a finished run leaves it: run_config.json + model.weights.h5."""
+    from trainer.config import Config
+    os.makedirs(model_dir, exist_ok=True)
+    tf.keras.utils.set_random_seed(4)
+    model = models.build("cifar_cnn", 10, (32, 32, 3), tiny=True)
+    model.save_weights(os.path.join(model_dir, "model.weights.h5"))
+    config = Config(model="cifar_cnn", model_size="tiny", dataset="cifar10")
+    with open(os.path.join(model_dir, "run_config.json"), "w") as f:
+        json.dump(config.as_dict(), f)
+    return model
+
+
+def _expected_probabilities(model, images_uint8):
+    spec = sources.get_spec("cifar10")
+    normalized = (images_uint8.astype(np.float32) - np.array(spec.mean) * 255) / (
+        np.array(spec.std) * 255)
+    return tf.nn.softmax(model(normalized.astype(np.float32), training=False)).numpy()
+
+
+def _images(count=3, size=32):
+    return np.random.default_rng(1).integers(0, 256, (count, size, size, 3), np.uint8)
+
+
+def test_predict_gives_the_in_memory_models_classes(tmp_path):
+    model = _saved_tiny_model(tmp_path / "run")
+    images = _images()
+    paths = []
+    for i, image in enumerate(images):
+        paths.append(str(tmp_path / f"image{i}.png"))
+        tf.io.write_file(paths[-1], tf.io.encode_png(image))
+    big = tmp_path / "big.jpg"  # another size and format: resized as in evaluation
+    tf.io.write_file(str(big), tf.io.encode_jpeg(np.repeat(np.repeat(images[0], 3, 0),
+                                                           2, 1)))
+    lines = predict.run(predict.parse([*paths, str(big), f"--model_dir={tmp_path}/run",
+                                       "--top=1"]))
+    names = sources.CIFAR10_CLASSES
+    expected = _expected_probabilities(model, images)
+    tops = [line.split()[1] for line in lines if line.startswith("  1. ")]
+    assert tops[:3] == [names[i] for i in expected.argmax(-1)]
+    assert len(tops) == 4 and "big.jpg (64x96)" in "\n".join(lines)
+
+
+def test_predict_bad_model_dir_is_a_one_line_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        predict.main(["--model_dir", str(tmp_path), "x.png"])
+    assert exit_info.value.code == 2
+    assert "run_config.json not found" in capsys.readouterr().err
+
+
+def test_export_round_trip_matches_the_keras_model(tmp_path):
+    model = _saved_tiny_model(tmp_path / "run")
+    export.export(str(tmp_path / "run"), str(tmp_path / "export"))
+    loaded = tf.saved_model.load(str(tmp_path / "export"))
+    images = _images()
+    expected = _expected_probabilities(model, images)
+    from_pixels = loaded.signatures["predict_images"](images=tf.constant(images))
+    np.testing.assert_allclose(from_pixels["probabilities"], expected, atol=1e-6)
+    encoded = tf.stack([tf.io.encode_png(image) for image in images])
+    from_bytes = loaded.signatures["serving_default"](image_bytes=encoded)
+    np.testing.assert_allclose(from_bytes["probabilities"], expected, atol=1e-6)
+    names = [n.decode() for n in from_bytes["class_name"].numpy()]
+    assert names == [sources.CIFAR10_CLASSES[i] for i in expected.argmax(-1)]
+    with pytest.raises(Exception, match="not empty"):
+        export.export(str(tmp_path / "run"), str(tmp_path / "export"))

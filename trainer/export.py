@@ -1,0 +1,98 @@
+"""Export a trained run as a SavedModel for serving:
+
+    python -m trainer.export --model_dir=DIR --export_dir=OUT
+
+Signatures (each returns `probabilities` [N, classes], `class_index` [N] and
+`class_name` [N]):
+- `serving_default(image_bytes: string [N])`: encoded JPEG, PNG, GIF or BMP images
+  of any size;
+- `predict_images(images: uint8 [N, H, W, 3])`: decoded images of any one size.
+Both resize to the model's size and normalize exactly as evaluation does, so
+clients send plain pixels. Load with `tf.saved_model.load(OUT)`.
+"""
+import argparse
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from trainer import inference  # noqa: E402
+
+
+def _to_model_size(images: tf.Tensor, size: int) -> tf.Tensor:
+    """uint8 [N, H, W, 3] -> uint8 [N, size, size, 3], resized as in evaluation
+    (data.augment.make_resize) and untouched when already that size."""
+    def resize():
+        resized = tf.image.resize(images, (size, size), antialias=True)
+        return tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8)
+    same = tf.reduce_all(tf.equal(tf.shape(images)[1:3], [size, size]))
+    resized = tf.cond(same, lambda: images, resize)
+    return tf.ensure_shape(resized, [None, size, size, 3])
+
+
+def serving_functions(trained: inference.TrainedModel) -> dict:
+    """name -> (function, input signature) for the SavedModel."""
+    size, spec, model = trained.image_size, trained.spec, trained.model
+    mean = tf.constant(spec.mean, tf.float32) * 255.0
+    std = tf.constant(spec.std, tf.float32) * 255.0
+    names = tf.constant(list(trained.class_names))
+
+    def classify(images):  # uint8 at the model's size
+        logits = model((tf.cast(images, tf.float32) - mean) / std, training=False)
+        probabilities = tf.nn.softmax(tf.cast(logits, tf.float32))
+        index = tf.argmax(probabilities, axis=-1)
+        return {"probabilities": probabilities, "class_index": index,
+                "class_name": tf.gather(names, index)}
+
+    def predict_images(images):
+        return classify(_to_model_size(images, size))
+
+    def decode_one(data):
+        image = tf.io.decode_image(data, channels=3, expand_animations=False)
+        return _to_model_size(image[None], size)[0]
+
+    def serve_bytes(image_bytes):
+        images = tf.map_fn(decode_one, image_bytes,
+                           fn_output_signature=tf.TensorSpec([size, size, 3], tf.uint8))
+        return classify(images)
+
+    return {"serving_default": (serve_bytes, [tf.TensorSpec([None], tf.string,
+                                                            name="image_bytes")]),
+            "predict_images": (predict_images, [tf.TensorSpec([None, None, None, 3],
+                                                              tf.uint8, name="images")])}
+
+
+def export(model_dir: str, export_dir: str) -> str:
+    """Writes the SavedModel of the run in model_dir; returns export_dir."""
+    if os.path.exists(export_dir) and os.listdir(export_dir):
+        raise inference.InferenceError(f"--export_dir={export_dir} exists and is not "
+                                       f"empty; choose a new directory")
+    trained = inference.TrainedModel(model_dir)
+    archive = keras.export.ExportArchive()
+    archive.track(trained.model)
+    for name, (fn, signature) in serving_functions(trained).items():
+        archive.add_endpoint(name, fn, input_signature=signature)
+    archive.write_out(export_dir, verbose=False)
+    return export_dir
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model_dir", required=True, help="a finished run's directory")
+    parser.add_argument("--export_dir", required=True, help="new directory to write")
+    args = parser.parse_args(argv)
+    tf.config.set_visible_devices([], "GPU")
+    try:
+        path = export(args.model_dir, args.export_dir)
+    except (inference.InferenceError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote SavedModel {path} (signatures: serving_default(image_bytes), "
+          f"predict_images(images))")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""From pixels to class probabilities outside training: rebuild a trained model from
+its model_dir, and prepare images exactly as evaluation does (resize to the model's
+size, then the dataset's normalization). Used by predict, export and the pictures.
+"""
+import json
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from data import augment, sources
+import models
+from trainer import checkpoints
+
+WEIGHTS_FILE = "model.weights.h5"
+
+
+class InferenceError(RuntimeError):
+    """A model_dir or image cannot be used; the message says what to do."""
+
+
+def resize_uint8(image, size: int) -> np.ndarray:
+    """Any [H, W, 3] image -> uint8 [size, size, 3], resized as evaluation does."""
+    image = tf.convert_to_tensor(image)
+    if tuple(image.shape[:2]) != (size, size):
+        image, _ = augment.make_resize(size)(image, 0)
+    return tf.cast(image, tf.uint8).numpy()
+
+
+def class_probabilities(model: keras.Model, images, spec: sources.DatasetSpec
+                        ) -> np.ndarray:
+    """Softmax of the model's logits for uint8 images [N, size, size, 3]."""
+    normalized, _ = augment.make_normalize(spec.mean, spec.std)(
+        tf.convert_to_tensor(images, tf.uint8), None)
+    logits = model(normalized, training=False)
+    return tf.nn.softmax(tf.cast(logits, tf.float32)).numpy()
+
+
+def decode_file(path: str) -> np.ndarray:
+    """An image file (JPEG, PNG, GIF, BMP; grey, RGBA or RGB) -> uint8 [H, W, 3]."""
+    try:
+        data = tf.io.read_file(path)
+        return tf.io.decode_image(data, channels=3, expand_animations=False).numpy()
+    except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as err:
+        reason = "no such file" if isinstance(err, tf.errors.NotFoundError) else (
+            "not a JPEG, PNG, GIF or BMP image")
+        raise InferenceError(f"cannot read image {path}: {reason}") from err
+
+
+class TrainedModel:
+    """The model of a finished run, rebuilt on this machine from run_config.json and
+    model.weights.h5 (the evaluated weights: the average with --ema_decay)."""
+
+    def __init__(self, model_dir: str):
+        config_path = os.path.join(model_dir, checkpoints.RUN_CONFIG)
+        weights_path = os.path.join(model_dir, WEIGHTS_FILE)
+        for path in (config_path, weights_path):
+            if not os.path.exists(path):
+                raise InferenceError(f"{path} not found: --model_dir must be the "
+                                     f"directory of a finished training run")
+        with open(config_path) as f:
+            self.config = json.load(f)
+        self.spec = sources.get_spec(self.config["dataset"])
+        self.image_size = self.config.get("image_size") or self.spec.image_shape[0]
+        keras.mixed_precision.set_global_policy("float32")  # CPU inference
+        self.model = models.build(
+            self.config["model"], self.spec.num_classes,
+            (self.image_size, self.image_size, self.spec.image_shape[2]),
+            tiny=self.config.get("model_size") == "tiny")
+        self.model.load_weights(weights_path)
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return self.spec.class_names or tuple(
+            str(i) for i in range(self.spec.num_classes))
+
+    def probabilities(self, images: list) -> np.ndarray:
+        """Class probabilities [N, classes] for images of any size."""
+        batch = np.stack([resize_uint8(image, self.image_size) for image in images])
+        return class_probabilities(self.model, batch, self.spec)

@@ -1,0 +1,65 @@
+"""The run's data wiring: each input worker's training pipeline (resumable at a
+step) and the exact evaluation pipeline, built from the config and the dataset's
+spec; and read errors turned into messages that name the bad file."""
+import contextlib
+
+import tensorflow as tf
+
+from data import augment, pipeline, sources
+from trainer.config import Config
+
+
+def image_shape(config: Config, spec: sources.DatasetSpec) -> tuple[int, int, int]:
+    size = config.image_size or spec.image_shape[0]
+    return (size, size, spec.image_shape[2])
+
+
+def _prepare(config: Config, spec: sources.DatasetSpec):
+    """Per-example decode-time resize, when the run's size differs from the data's."""
+    shape = image_shape(config, spec)
+    return (augment.make_resize(shape[0])
+            if spec.variable_size or shape != spec.image_shape else None)
+
+
+def train_input_fn(config: Config, spec: sources.DatasetSpec, train_examples: int,
+                   start_step: int = 0):
+    """The training input for `distribute_datasets_from_function`: each input
+    worker's pipeline, resuming at `start_step` (the data position is the step)."""
+    normalize = augment.make_normalize(spec.mean, spec.std)
+    train_augment = augment.TRAIN_AUGMENTATIONS[config.augment or spec.augment]
+
+    def train_fn(context):
+        ds, _ = sources.load(spec, spec.train_split, config.data_dir, config.download_data,
+                             context=context)  # this worker's shard
+        return pipeline.make_train(ds, context, config.batch_size, train_augment,
+                                   normalize, config.shuffle_buffer, seed=config.seed,
+                                   prepare=_prepare(config, spec),
+                                   num_examples=train_examples, shard=False,
+                                   start_step=start_step)
+    return train_fn
+
+
+def distributed_datasets(config: Config, spec: sources.DatasetSpec,
+                          strategy: tf.distribute.Strategy, plan, start_step: int):
+    normalize = augment.make_normalize(spec.mean, spec.std)
+
+    def eval_fn(context):
+        ds, n = sources.load(spec, spec.eval_split, config.data_dir, config.download_data)
+        return pipeline.make_eval(ds, n, context, config.batch_size, normalize,
+                                  prepare=_prepare(config, spec))
+
+    return (strategy.distribute_datasets_from_function(
+                train_input_fn(config, spec, plan.train_examples, start_step)),
+            strategy.distribute_datasets_from_function(eval_fn))
+
+
+@contextlib.contextmanager
+def data_errors_explained(spec: sources.DatasetSpec):
+    """A corrupt input file surfaces deep in the graph without its name: find it."""
+    try:
+        yield
+    except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as err:
+        culprit = sources.explain_read_error(spec)
+        if culprit:
+            raise sources.DatasetError(culprit) from err
+        raise

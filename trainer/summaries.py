@@ -1,0 +1,63 @@
+"""TensorBoard event files in --model_dir/train and --model_dir/eval:
+`tensorboard --logdir=MODEL_DIR` shows them.
+
+train: loss, accuracy, learning_rate, images_per_second (every --log_every steps).
+eval: loss, accuracy (and accuracy_raw with --ema_decay), and two images at each
+evaluation: `predictions` (a grid of test images, predicted and true labels) and
+`confusion_matrix`.
+"""
+import os
+
+import tensorflow as tf
+
+from trainer import figures
+
+TRAIN_SCALARS = {"train_loss": "loss", "train_accuracy": "accuracy",
+                 "learning_rate": "learning_rate",
+                 "images_per_second": "images_per_second"}
+EVAL_SCALARS = {"test_loss": "loss", "test_accuracy": "accuracy",
+                "test_accuracy_raw": "accuracy_raw", "test_loss_raw": "loss_raw"}
+
+
+def _png_image(fig) -> tf.Tensor:
+    """A figure as a [1, H, W, 4] uint8 image batch for tf.summary.image."""
+    return tf.image.decode_png(figures.png_bytes(fig, dpi=80), channels=4)[None]
+
+
+class Writer:
+    """The run's summaries; a no-op on every worker but the chief."""
+
+    def __init__(self, model_dir: str, enabled: bool = True):
+        self._writers = ({name: tf.summary.create_file_writer(os.path.join(model_dir, name))
+                          for name in ("train", "eval")} if enabled else {})
+
+    def train(self, record: dict) -> None:
+        self._scalars("train", record, TRAIN_SCALARS)
+
+    def eval(self, record: dict, details: dict, class_names) -> None:
+        """record: the eval-history record; details: `confusion` and `samples`."""
+        self._scalars("eval", record, EVAL_SCALARS)
+        if not self._writers:
+            return
+        epoch = f"epoch {record['epoch']:.2f}, test accuracy {record['test_accuracy']:.2%}"
+        with self._writers["eval"].as_default(step=record["step"]):
+            if "samples" in details:
+                tf.summary.image("predictions", _png_image(figures.predictions(
+                    details["samples"], class_names, title=epoch)))
+            if "confusion" in details:
+                tf.summary.image("confusion_matrix", _png_image(figures.confusion(
+                    details["confusion"], class_names, title=epoch)))
+        self._writers["eval"].flush()
+
+    def _scalars(self, name: str, record: dict, tags: dict[str, str]) -> None:
+        if not self._writers:
+            return
+        with self._writers[name].as_default(step=record["step"]):
+            for key, tag in tags.items():
+                if key in record:
+                    tf.summary.scalar(tag, record[key])
+        self._writers[name].flush()
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
