@@ -34,6 +34,11 @@ def test_cli_trains_and_writes_weights_and_metrics(tmp_path):
     for text in ("Strategy: OneDeviceStrategy", "per replica", "precision float32",
                  "XLA off", "step 4/4", "ETA", "test accuracy"):
         assert text in result.stderr
+    # Not a terminal: plain lines only, no bar, no control characters, no TF record
+    # printed twice (by TF's own handler and absl's).
+    assert "\r" not in result.stderr and "\x1b" not in result.stderr
+    assert "INFO:tensorflow:" not in result.stderr
+    assert (tmp_path / "summary.png").exists() and (tmp_path / "eval").is_dir()
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     for key in ("test_accuracy", "test_examples", "train_seconds", "images_per_second",
                 "steps", "epochs", "model", "dataset", "strategy", "replicas",

@@ -48,17 +48,6 @@ class Plan:
                    config.batch_size // num_replicas)
 
 
-def _worker_role(strategy: tf.distribute.Strategy) -> tuple[bool, int]:
-    """(is_chief, task_id): the chief alone writes summaries, metrics and weights."""
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None or not resolver.cluster_spec().as_dict():
-        return True, 0
-    task_type, task_id = resolver.task_type, resolver.task_id or 0
-    has_chief = "chief" in resolver.cluster_spec().as_dict()
-    return task_type == "chief" or (task_type == "worker" and task_id == 0
-                                    and not has_chief), task_id
-
-
 def _schedule(config: Config, plan: Plan) -> schedules.WarmupSchedule:
     return schedules.WarmupSchedule(
         config.lr_schedule, config.learning_rate, plan.total_steps, plan.steps_per_epoch,
@@ -115,18 +104,8 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     evaluates, saves `model.weights.h5`, `metrics.json`, `summary.png` and
     TensorBoard summaries; returns the metrics. display: where the live progress bar
     goes if it is a terminal (default stderr; otherwise plain log lines)."""
-    runtime = strategy_lib.create(config.strategy, config.tpu, config.require_tpu,
-                                  config.cpu_replicas)
+    runtime, precision, jit, is_chief, task_id = _set_up(config)
     strategy = runtime.strategy
-    precision = strategy_lib.resolve_precision(config.precision, runtime.device_kind,
-                                               config.deterministic)
-    jit = strategy_lib.resolve_jit(config.jit_compile, runtime.device_kind)
-    is_chief, task_id = _worker_role(strategy)
-    checkpoints.prepare_model_dir(config.model_dir, config.as_dict(), is_chief)
-    keras.mixed_precision.set_global_policy(precision)
-    keras.utils.set_random_seed(config.seed)
-    if config.deterministic:
-        tf.config.experimental.enable_op_determinism()
     spec = sources.get_spec(config.dataset)
     _, train_examples = sources.load(spec, spec.train_split, config.data_dir,
                                      config.download_data)
@@ -144,21 +123,15 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     manager = checkpoints.make_manager(config.model_dir, checkpoint,
                                        config.keep_checkpoints, is_chief, task_id)
     with inputs.data_errors_explained(spec):  # the training cache is filled here
-        train_dataset, eval_dataset = inputs.distributed_datasets(config, spec, strategy, plan,
-                                                            start_step)
-        samples = evaluation.load_samples(spec, inputs.image_shape(config, spec)[0],
-                                          config.data_dir, config.download_data)
+        train_dataset, eval_dataset = inputs.distributed_datasets(
+            config, spec, strategy, plan, start_step)
     # On a TPU every step is XLA-compiled anyway; an inner jit_compile is redundant.
     wrap_jit = jit and runtime.device_kind != "tpu"
     train_loop = distributed.make_train_loop(strategy, model, optimizer,
                                              config.batch_size, wrap_jit, config.on_nan,
                                              config.label_smoothing)
-    eval_loop = distributed.make_eval_loop(
-        strategy, model, wrap_jit, config.tta_flip,
-        spec.num_classes if spec.num_classes <= evaluation.MAX_CONFUSION_CLASSES else 0)
-    evaluate = lambda: averaging.evaluate_raw_and_averaged(  # noqa: E731
-        lambda: evaluation.evaluate(eval_loop, eval_dataset, plan.eval_steps, model,
-                                    samples, spec), optimizer)
+    evaluate = _evaluator(config, spec, strategy, model, optimizer, eval_dataset,
+                          plan.eval_steps, wrap_jit)
     display = display or sys.stderr
     bars = (progress_bar.EpochBars(plan.total_steps, plan.steps_per_epoch, display)
             if is_chief and progress_bar.is_live_terminal(display) else None)
@@ -167,7 +140,7 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
                                   config.batch_size, start_step, bars),
                recorder_lib.Recorder(config.model_dir, is_chief, start_step,
                                      spec.class_names, f"{config.model} on {config.dataset}"),
-               is_multi_worker(strategy))
+               strategy_lib.is_multi_worker(strategy))
     with inputs.data_errors_explained(spec), faults.SigtermWatcher() as sigterm, (
             bars.above_the_bar() if bars else contextlib.nullcontext()):
         step = _train(run, iter(train_dataset), train_loop, evaluate, sigterm)
@@ -180,8 +153,38 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     return metrics
 
 
-def is_multi_worker(strategy: tf.distribute.Strategy) -> bool:
-    return strategy.extended._in_multi_worker_mode()  # noqa: SLF001 (no public API)
+def _set_up(config: Config):
+    """The strategy and the settings that follow from the device; model_dir checked;
+    precision policy, seeds and determinism set. Returns (runtime, precision, jit,
+    is_chief, task_id)."""
+    runtime = strategy_lib.create(config.strategy, config.tpu, config.require_tpu,
+                                  config.cpu_replicas)
+    precision = strategy_lib.resolve_precision(config.precision, runtime.device_kind,
+                                               config.deterministic)
+    jit = strategy_lib.resolve_jit(config.jit_compile, runtime.device_kind)
+    is_chief, task_id = strategy_lib.worker_role(runtime.strategy)
+    checkpoints.prepare_model_dir(config.model_dir, config.as_dict(), is_chief)
+    keras.mixed_precision.set_global_policy(precision)
+    keras.utils.set_random_seed(config.seed)
+    if config.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    return runtime, precision, jit, is_chief, task_id
+
+
+def _evaluator(config: Config, spec: sources.DatasetSpec, strategy, model, optimizer,
+               eval_dataset, eval_steps: int, jit: bool):
+    """evaluate() -> the metrics, confusion matrix and sample predictions of the
+    evaluated weights (the average with --ema_decay, and the raw ones' too)."""
+    with inputs.data_errors_explained(spec):
+        samples = evaluation.load_samples(spec, inputs.image_shape(config, spec)[0],
+                                          config.data_dir, config.download_data)
+    classes = spec.num_classes
+    eval_loop = distributed.make_eval_loop(
+        strategy, model, jit, config.tta_flip,
+        confusion_classes=classes if classes <= evaluation.MAX_CONFUSION_CLASSES else 0)
+    return lambda: averaging.evaluate_raw_and_averaged(
+        lambda: evaluation.evaluate(eval_loop, eval_dataset, eval_steps, model, samples,
+                                    spec), optimizer)
 
 
 @dataclasses.dataclass(frozen=True)

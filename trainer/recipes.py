@@ -15,13 +15,16 @@ RECIPES: dict[str, dict] = {
     # A fast CIFAR-10 recipe after the speed records (Page's ResNet-9, airbench): a
     # half-width ResNet-9 with fast batch-norm, SGD-Nesterov, one-cycle (linear
     # warmup to 0.4 over a quarter of the run, linear to 0), label smoothing 0.2,
-    # flip-and-translate augmentation, weight averaging (EMA), flip TTA. Page's
-    # weight decay 5e-4 is PyTorch's, added to the gradient before momentum 0.9,
-    # which multiplies it by 1 / (1 - 0.9): 5e-3 in our decoupled form.
+    # flip-and-translate augmentation, flip TTA. Page's weight decay 5e-4 is
+    # PyTorch's, added to the gradient before momentum 0.9, which multiplies it by
+    # 1 / (1 - 0.9): 5e-3 in our decoupled form (measured, seed 0: 86.9% vs 85.9%
+    # with 5e-4). Weight averaging is off: --ema_decay=0.99 ended at 85.4% against
+    # the raw weights' 86.9% in the same run (batch-norm's fast statistics follow
+    # the raw weights, not their average).
     "resnet_fast": dict(dataset="cifar10", image_size=32, batch_size=512,
                         optimizer="sgd", momentum=0.9, learning_rate=0.4,
                         lr_schedule="linear", warmup_epochs=2.5, weight_decay=5e-3,
-                        label_smoothing=0.2, ema_decay=0.99, tta_flip=True, epochs=10),
+                        label_smoothing=0.2, tta_flip=True, epochs=10),
     # Seed 2, flowers at 192x192: the codelab's SqueezeNet target is 80% in 35 epochs.
     "squeezenet": dict(dataset="tf_flowers", image_size=192, batch_size=64,
                        optimizer="adam", learning_rate=5e-3, lr_schedule="exponential",

@@ -93,8 +93,8 @@ def apply_if_finite(optimizer: keras.optimizers.Optimizer, gradients, variables,
                     loss: tf.Tensor) -> tf.Tensor:
     """Applies the update unless the loss is non-finite on ANY replica; returns this
     replica's share of the skip count (1 / replicas if skipped: the sums over
-    replicas then count the step once). The decision is all-reduced so every replica (and worker) agrees,
-    and the cond runs in the cross-replica context, where a branch may all-reduce
+    replicas then count the step once). The decision is all-reduced so every replica
+    (and worker) agrees, and the cond runs in the cross-replica context, where a branch may all-reduce
     (as Keras' LossScaleOptimizer does)."""
     context = tf.distribute.get_replica_context()
     bad = context.all_reduce(tf.distribute.ReduceOp.SUM,

@@ -160,3 +160,18 @@ def resolve_jit(jit_compile: str, device_kind: str) -> bool:
     if jit_compile == "auto":
         return device_kind in ("tpu", "gpu")
     return jit_compile == "true"
+
+
+def worker_role(strategy: tf.distribute.Strategy) -> tuple[bool, int]:
+    """(is_chief, task_id): the chief alone writes summaries, metrics and weights."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.cluster_spec().as_dict():
+        return True, 0
+    task_type, task_id = resolver.task_type, resolver.task_id or 0
+    has_chief = "chief" in resolver.cluster_spec().as_dict()
+    return task_type == "chief" or (task_type == "worker" and task_id == 0
+                                    and not has_chief), task_id
+
+
+def is_multi_worker(strategy: tf.distribute.Strategy) -> bool:
+    return strategy.extended._in_multi_worker_mode()  # noqa: SLF001 (no public API)
