@@ -42,8 +42,10 @@ def test_run_resumes_and_continues_the_step_count(tiny_config):
 
 
 def _snapshot(directory):
-    return {name: open(os.path.join(directory, name), "rb").read()
-            for name in sorted(os.listdir(directory))}
+    """Every file under directory (checkpoints, summaries, pictures) by path."""
+    return {os.path.relpath(os.path.join(root, name), directory):
+            open(os.path.join(root, name), "rb").read()
+            for root, _, names in os.walk(directory) for name in names}
 
 
 def test_model_dir_of_another_model_is_refused_untouched(tiny_config):

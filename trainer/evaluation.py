@@ -24,16 +24,19 @@ def load_samples(spec: sources.DatasetSpec, image_size: int, data_dir: str | Non
     return {"images": np.stack(images), "labels": np.array(labels)}
 
 
-def predict_samples(model, samples: dict, spec: sources.DatasetSpec) -> dict:
-    """samples + the model's predicted class and its probability per image."""
-    probabilities = inference.class_probabilities(model, samples["images"], spec)
+def predict_samples(model, samples: dict, spec: sources.DatasetSpec,
+                    tta_flip: bool = False) -> dict:
+    """samples + the model's predicted class and its probability per image (an eager
+    call on this worker alone: no collective, so the chief may do it by itself)."""
+    probabilities = inference.class_probabilities(model, samples["images"], spec,
+                                                  tta_flip)
     return {**samples, "predictions": probabilities.argmax(-1),
             "confidence": probabilities.max(-1)}
 
 
 def evaluate(eval_loop, eval_dataset, eval_steps: int, model=None,
-             samples: dict | None = None,
-             spec: sources.DatasetSpec | None = None) -> dict:
+             samples: dict | None = None, spec: sources.DatasetSpec | None = None,
+             tta_flip: bool = False) -> dict:
     """test_loss / test_accuracy / test_examples, plus `confusion` (counts, rows =
     true class) if the loop makes one, and `samples` with predictions if given."""
     sums = eval_loop(iter(eval_dataset), tf.constant(eval_steps))
@@ -44,5 +47,5 @@ def evaluate(eval_loop, eval_dataset, eval_steps: int, model=None,
     if "confusion" in sums:
         result["confusion"] = np.rint(sums["confusion"].numpy()).astype(np.int64)
     if samples is not None:
-        result["samples"] = predict_samples(model, samples, spec)
+        result["samples"] = predict_samples(model, samples, spec, tta_flip)
     return result

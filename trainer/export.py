@@ -7,8 +7,9 @@ Signatures (each returns `probabilities` [N, classes], `class_index` [N] and
 - `serving_default(image_bytes: string [N])`: encoded JPEG, PNG, GIF or BMP images
   of any size;
 - `predict_images(images: uint8 [N, H, W, 3])`: decoded images of any one size.
-Both resize to the model's size and normalize exactly as evaluation does, so
-clients send plain pixels. Load with `tf.saved_model.load(OUT)`.
+Both resize to the model's size and normalize exactly as evaluation does (and
+average with the mirror image if the run evaluated with --tta_flip), so clients
+send plain pixels. Load with `tf.saved_model.load(OUT)`.
 """
 import argparse
 import os
@@ -19,7 +20,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from trainer import inference  # noqa: E402
+from data import sources  # noqa: E402
+from trainer import checkpoints, inference  # noqa: E402
 
 
 def _to_model_size(images: tf.Tensor, size: int) -> tf.Tensor:
@@ -40,9 +42,11 @@ def serving_functions(trained: inference.TrainedModel) -> dict:
     std = tf.constant(spec.std, tf.float32) * 255.0
     names = tf.constant(list(trained.class_names))
 
+    tta_flip = bool(trained.config.get("tta_flip"))
+
     def classify(images):  # uint8 at the model's size
-        logits = model((tf.cast(images, tf.float32) - mean) / std, training=False)
-        probabilities = tf.nn.softmax(tf.cast(logits, tf.float32))
+        normalized = (tf.cast(images, tf.float32) - mean) / std
+        probabilities = tf.nn.softmax(inference.logits_of(model, normalized, tta_flip))
         index = tf.argmax(probabilities, axis=-1)
         return {"probabilities": probabilities, "class_index": index,
                 "class_name": tf.gather(names, index)}
@@ -87,7 +91,8 @@ def main(argv=None) -> None:
     tf.config.set_visible_devices([], "GPU")
     try:
         path = export(args.model_dir, args.export_dir)
-    except (inference.InferenceError, ValueError) as err:
+    except (inference.InferenceError, sources.DatasetError, checkpoints.CheckpointError,
+            ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     print(f"wrote SavedModel {path} (signatures: serving_default(image_bytes), "

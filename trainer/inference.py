@@ -2,8 +2,10 @@
 its model_dir, and prepare images exactly as evaluation does (resize to the model's
 size, then the dataset's normalization). Used by predict, export and the pictures.
 """
+import dataclasses
 import json
 import os
+import shutil
 
 import keras
 import numpy as np
@@ -28,13 +30,22 @@ def resize_uint8(image, size: int) -> np.ndarray:
     return tf.cast(image, tf.uint8).numpy()
 
 
-def class_probabilities(model: keras.Model, images, spec: sources.DatasetSpec
-                        ) -> np.ndarray:
-    """Softmax of the model's logits for uint8 images [N, size, size, 3]."""
+def logits_of(model: keras.Model, normalized: tf.Tensor, tta_flip: bool) -> tf.Tensor:
+    """float32 logits, averaged with the mirror image's under --tta_flip (as the
+    evaluation step does)."""
+    logits = tf.cast(model(normalized, training=False), tf.float32)
+    if tta_flip:
+        mirrored = model(tf.reverse(normalized, axis=[2]), training=False)
+        logits = (logits + tf.cast(mirrored, tf.float32)) / 2
+    return logits
+
+
+def class_probabilities(model: keras.Model, images, spec: sources.DatasetSpec,
+                        tta_flip: bool = False) -> np.ndarray:
+    """Class probabilities for uint8 images [N, size, size, 3]."""
     normalized, _ = augment.make_normalize(spec.mean, spec.std)(
         tf.convert_to_tensor(images, tf.uint8), None)
-    logits = model(normalized, training=False)
-    return tf.nn.softmax(tf.cast(logits, tf.float32)).numpy()
+    return tf.nn.softmax(logits_of(model, normalized, tta_flip)).numpy()
 
 
 def decode_file(path: str) -> np.ndarray:
@@ -61,7 +72,7 @@ class TrainedModel:
                                      f"directory of a finished training run")
         with open(config_path) as f:
             self.config = json.load(f)
-        self.spec = sources.get_spec(self.config["dataset"])
+        self.spec = _dataset_spec(self.config["dataset"], model_dir)
         self.image_size = self.config.get("image_size") or self.spec.image_shape[0]
         keras.mixed_precision.set_global_policy("float32")  # CPU inference
         self.model = models.build(
@@ -78,4 +89,24 @@ class TrainedModel:
     def probabilities(self, images: list) -> np.ndarray:
         """Class probabilities [N, classes] for images of any size."""
         batch = np.stack([resize_uint8(image, self.image_size) for image in images])
-        return class_probabilities(self.model, batch, self.spec)
+        return class_probabilities(self.model, batch, self.spec,
+                                   bool(self.config.get("tta_flip")))
+
+
+def _dataset_spec(name: str, model_dir: str) -> sources.DatasetSpec:
+    """The run's dataset description. A TFRecord run's dataset.json is copied into
+    its model_dir at training time, so the data files need not be here."""
+    if name.startswith(sources.TFRECORD_PREFIX):
+        kept = os.path.join(model_dir, sources.TFRECORD_METADATA)
+        if os.path.exists(kept):
+            spec = sources.get_spec(sources.TFRECORD_PREFIX + os.path.join(model_dir, "*"))
+            return dataclasses.replace(spec, name=name)
+    return sources.get_spec(name)
+
+
+def keep_dataset_description(dataset: str, model_dir: str) -> None:
+    """Copies a TFRecord dataset's dataset.json into model_dir (see _dataset_spec)."""
+    if dataset.startswith(sources.TFRECORD_PREFIX):
+        pattern = dataset[len(sources.TFRECORD_PREFIX):]
+        shutil.copyfile(os.path.join(os.path.dirname(pattern), sources.TFRECORD_METADATA),
+                        os.path.join(model_dir, sources.TFRECORD_METADATA))

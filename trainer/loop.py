@@ -107,6 +107,8 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     runtime, precision, jit, is_chief, task_id = _set_up(config)
     strategy = runtime.strategy
     spec = sources.get_spec(config.dataset)
+    if is_chief:  # so that predict and export work without the data files
+        inference.keep_dataset_description(config.dataset, config.model_dir)
     _, train_examples = sources.load(spec, spec.train_split, config.data_dir,
                                      config.download_data)
     _, eval_examples = sources.load(spec, spec.eval_split, config.data_dir,
@@ -131,7 +133,7 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
                                              config.batch_size, wrap_jit, config.on_nan,
                                              config.label_smoothing)
     evaluate = _evaluator(config, spec, strategy, model, optimizer, eval_dataset,
-                          plan.eval_steps, wrap_jit)
+                          plan.eval_steps, wrap_jit, is_chief)
     display = display or sys.stderr
     bars = (progress_bar.EpochBars(plan.total_steps, plan.steps_per_epoch, display)
             if is_chief and progress_bar.is_live_terminal(display) else None)
@@ -172,19 +174,22 @@ def _set_up(config: Config):
 
 
 def _evaluator(config: Config, spec: sources.DatasetSpec, strategy, model, optimizer,
-               eval_dataset, eval_steps: int, jit: bool):
-    """evaluate() -> the metrics, confusion matrix and sample predictions of the
-    evaluated weights (the average with --ema_decay, and the raw ones' too)."""
-    with inputs.data_errors_explained(spec):
-        samples = evaluation.load_samples(spec, inputs.image_shape(config, spec)[0],
-                                          config.data_dir, config.download_data)
+               eval_dataset, eval_steps: int, jit: bool, is_chief: bool):
+    """evaluate() -> the metrics, confusion matrix and (on the chief, which draws
+    the pictures) sample predictions of the evaluated weights (the average with
+    --ema_decay, and the raw ones' accuracy too)."""
+    samples = None
+    if is_chief:
+        with inputs.data_errors_explained(spec):
+            samples = evaluation.load_samples(spec, inputs.image_shape(config, spec)[0],
+                                              config.data_dir, config.download_data)
     classes = spec.num_classes
     eval_loop = distributed.make_eval_loop(
         strategy, model, jit, config.tta_flip,
         confusion_classes=classes if classes <= evaluation.MAX_CONFUSION_CLASSES else 0)
     return lambda: averaging.evaluate_raw_and_averaged(
         lambda: evaluation.evaluate(eval_loop, eval_dataset, eval_steps, model, samples,
-                                    spec), optimizer)
+                                    spec, config.tta_flip), optimizer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +217,9 @@ def _train(run: _Run, train_iterator, train_loop, evaluate, sigterm) -> int:
     wall, evaluated = reporting.Stopwatch(), False
     due = lambda name: step % every[name] == 0 or step == plan.total_steps  # noqa: E731
     while step < plan.total_steps:
-        stop = _next_stop(step, plan.total_steps, config.steps_per_loop, *every.values())
+        # Also back in Python at every epoch's end: the progress bar starts anew there.
+        stop = _next_stop(step, plan.total_steps, config.steps_per_loop,
+                          plan.steps_per_epoch, *every.values())
         with reporting.Stopwatch() as watch:
             sums = {k: float(v) for k, v in train_loop(
                 train_iterator, tf.constant(stop - step),
@@ -230,6 +237,7 @@ def _train(run: _Run, train_iterator, train_loop, evaluate, sigterm) -> int:
         # One worker alone cannot stop: in multi-worker runs, wait for the summed flag.
         if sums["stop_requested"] > 0 or (sigterm.requested and not run.multi_worker):
             run.manager.save(checkpoint_number=step)
+            run.recorder.save()
             raise faults.Preempted(f"preempted (SIGTERM): saved a checkpoint at step "
                                    f"{step} in {config.model_dir}; run the same command "
                                    f"to resume")
@@ -240,6 +248,7 @@ def _train(run: _Run, train_iterator, train_loop, evaluate, sigterm) -> int:
             evaluated = step == plan.total_steps
         if due("checkpoint"):
             run.manager.save(checkpoint_number=step)
+            run.recorder.save()
     if not evaluated:  # e.g. resumed after the last step: the pictures need one
         _evaluate(run, evaluate, step, wall)
     return step

@@ -46,8 +46,8 @@ class EpochBars:
             total=min(self.steps_per_epoch, self.total_steps - first),
             initial=0, desc=f"epoch {epoch + 1}/{self.num_epochs}", unit="step",
             file=self.stream, dynamic_ncols=True, leave=True, mininterval=0.5,
-            bar_format="{desc} {n_fmt}/{total_fmt} |{bar:20}| "
-                       "[{elapsed}<{remaining}] {postfix}")
+            # The ETAs are ours (training time at this epoch's rate), in the postfix.
+            bar_format="{desc} {n_fmt}/{total_fmt} |{bar:20}| {elapsed} {postfix}")
 
     def close(self) -> None:
         if self._bar is not None:

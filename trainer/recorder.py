@@ -35,18 +35,23 @@ class Recorder:
 
     def train(self, record: dict) -> None:
         record = self._shift(record)
-        self.train_history.append(record)
+        self.train_history = _before(self.train_history, record["step"]) + [record]
         self.writer.train(record)
 
     def eval(self, result: dict) -> dict:
         """Records one evaluation; returns its history record (without pictures)."""
         details = {key: result[key] for key in _DETAILS if key in result}
         record = self._shift({k: v for k, v in result.items() if k not in _DETAILS})
-        self.eval_history.append(record)
+        # A step evaluated again (a finished run rerun) replaces its old record.
+        self.eval_history = _before(self.eval_history, record["step"]) + [record]
         self.last_details = details
         self.writer.eval(record, details, self.class_names)
-        self._write_metrics({"status": "running"})
+        self.save()
         return record
+
+    def save(self) -> None:
+        """Writes the history so far (with every checkpoint, so a resume keeps it)."""
+        self._write_metrics({"status": "running"})
 
     def finish(self, metrics: dict, schedule_points, steps_per_epoch: int) -> dict:
         """Writes the final metrics.json and summary.png; returns the metrics."""
@@ -75,6 +80,10 @@ class Recorder:
         if self.is_chief:
             reporting.write_json(os.path.join(self.model_dir, METRICS_FILE), values)
         return values
+
+
+def _before(history: list[dict], step: int) -> list[dict]:
+    return [r for r in history if r["step"] < step]
 
 
 def _previous_history(model_dir: str, start_step: int) -> tuple[list, list]:

@@ -28,7 +28,6 @@ class Progress:
         self.bars = bars
         self._window = _Window()  # since the last log line
         self._epoch = _Window()   # since the start of the epoch, for the bar
-        self._epoch_index = start_step // steps_per_epoch
 
     def add(self, sums: dict, num_steps: int, seconds: float) -> None:
         self._window.add(sums, num_steps, seconds)
@@ -44,9 +43,10 @@ class Progress:
         images = (step - self.start_step) * self.global_batch_size
         return images / self.train_seconds if self.train_seconds else 0.0
 
-    def _eta(self, step: int, rate: float) -> str:
-        return _duration((self.total_steps - step) * self.global_batch_size /
-                         max(rate, 1e-9))
+    def _eta(self, step: int, rate: float, until: int | None = None) -> str:
+        """Time to `until` (default: the end of the run) at `rate` images/sec."""
+        steps_left = (until or self.total_steps) - step
+        return _duration(steps_left * self.global_batch_size / max(rate, 1e-9))
 
     def show(self, step: int, learning_rate: float) -> None:
         """Updates the live bar (if any) after the steps up to `step`: the epoch's
@@ -54,9 +54,13 @@ class Progress:
         if self.bars is None:
             return
         loss, accuracy, rate = self._epoch.means(self.global_batch_size)
+        epoch_end = min(self.total_steps,
+                        (step - 1) // self.steps_per_epoch * self.steps_per_epoch
+                        + self.steps_per_epoch)
         self.bars.update(step, f"loss {loss:.4f}  acc {accuracy:.4f}  "
                                f"lr {learning_rate:.3g}  {rate:,.0f} img/s  "
-                               f"run ETA {self._eta(step, rate)}")
+                               f"ETA epoch {self._eta(step, rate, epoch_end)} "
+                               f"run {self._eta(step, rate)}")
         if step % self.steps_per_epoch == 0:
             self._epoch = _Window()
 
