@@ -85,7 +85,10 @@ def finished_run(tmp_path_factory):
                     train_steps=8, steps_per_loop=2, log_every=2, eval_every=4,
                     precision="float32", shuffle_buffer=64)
     terminal = FakeTerminal()
-    metrics = loop.train_and_evaluate(config, display=terminal)
+    with pytest.MonkeyPatch.context() as patch:  # module scope: before _no_ci applies
+        patch.delenv("CI", raising=False)
+        patch.setenv("TERM", "xterm")
+        metrics = loop.train_and_evaluate(config, display=terminal)
     return config, metrics, terminal.getvalue()
 
 
