@@ -43,3 +43,23 @@ def tiny_config(tmp_path) -> Config:
                   model_dir=str(tmp_path / "run"), batch_size=16, train_steps=4,
                   steps_per_loop=2, log_every=2, eval_every=4, checkpoint_every=2,
                   precision="float32", shuffle_buffer=64)
+
+
+def small_tfrecord_dataset(root, class_names=("a", "b"), per_class: int = 6,
+                           shape=(20, 20, 3)) -> str:
+    """PNG photos in class folders under root/photos, written as one TFRecord shard
+    root/rec/x00-N.tfrec (16x16) with its dataset.json; returns the shard's path."""
+    import json
+    import numpy as np
+    from data import make_tfrecords, tfrecords
+    rng = np.random.default_rng(0)
+    for name in class_names:
+        (root / "photos" / name).mkdir(parents=True)
+        for i in range(per_class):
+            tf.io.write_file(str(root / "photos" / name / f"{i}.png"),
+                             tf.io.encode_png(rng.integers(0, 255, shape, np.uint8)))
+    records, total, _ = make_tfrecords.records_from_folder(str(root / "photos"), 16)
+    path = tfrecords.write_shards(records, total, str(root / "rec" / "x"), 1)[0]
+    (root / "rec" / "dataset.json").write_text(json.dumps(
+        {"class_names": list(class_names), "image_size": 16, "holdout_fraction": 0.25}))
+    return path

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import small_tfrecord_dataset
 from data import augment, pipeline, sources
 import models
 from trainer import loop
@@ -166,17 +167,7 @@ def test_recipe_defaults_yield_to_explicit_flags():
 
 
 def test_corrupt_tfrecord_stops_the_run_naming_the_file(tmp_path):
-    from data import make_tfrecords, tfrecords
-    rng = np.random.default_rng(0)
-    for name in ("a", "b"):
-        (tmp_path / "photos" / name).mkdir(parents=True)
-        for i in range(6):
-            tf.io.write_file(str(tmp_path / "photos" / name / f"{i}.png"),
-                             tf.io.encode_png(rng.integers(0, 255, (20, 20, 3), np.uint8)))
-    records, total, _ = make_tfrecords.records_from_folder(str(tmp_path / "photos"), 16)
-    path = tfrecords.write_shards(records, total, str(tmp_path / "rec" / "x"), 1)[0]
-    (tmp_path / "rec" / "dataset.json").write_text(json.dumps(
-        {"class_names": ["a", "b"], "image_size": 16, "holdout_fraction": 0.25}))
+    path = small_tfrecord_dataset(tmp_path)
     data = bytearray(open(path, "rb").read())
     data[40:60] = b"\xff" * 20
     open(path, "wb").write(bytes(data))

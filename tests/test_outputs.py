@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import small_tfrecord_dataset
 from data import sources
 import models
 from trainer import export, loop, predict, progress_bar, reporting
@@ -246,17 +247,7 @@ def test_export_round_trip_matches_the_keras_model(tmp_path):
 def test_predict_works_without_the_tfrecord_files(tmp_path, tiny_config):
     """A TFRecord run keeps its dataset.json in model_dir: class names, image size
     and normalization survive the data files being gone."""
-    from data import make_tfrecords, tfrecords
-    rng = np.random.default_rng(0)
-    for name in ("ants", "bees"):
-        (tmp_path / "photos" / name).mkdir(parents=True)
-        for i in range(8):
-            tf.io.write_file(str(tmp_path / "photos" / name / f"{i}.png"),
-                             tf.io.encode_png(rng.integers(0, 255, (20, 24, 3), np.uint8)))
-    records, total, _ = make_tfrecords.records_from_folder(str(tmp_path / "photos"), 16)
-    path = tfrecords.write_shards(records, total, str(tmp_path / "rec" / "x"), 1)[0]
-    (tmp_path / "rec" / "dataset.json").write_text(json.dumps(
-        {"class_names": ["ants", "bees"], "image_size": 16, "holdout_fraction": 0.25}))
+    path = small_tfrecord_dataset(tmp_path, ("ants", "bees"), 8, (20, 24, 3))
     config = tiny_config.replace(model="convnet", dataset=f"tfrecord:{path}",
                                  batch_size=4, train_steps=2, eval_every=2)
     loop.train_and_evaluate(config)
