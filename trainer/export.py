@@ -20,32 +20,28 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from data import sources  # noqa: E402
+from data import augment, sources  # noqa: E402
 from trainer import checkpoints, inference  # noqa: E402
 
 
 def _to_model_size(images: tf.Tensor, size: int) -> tf.Tensor:
     """uint8 [N, H, W, 3] -> uint8 [N, size, size, 3], resized as in evaluation
     (data.augment.make_resize) and untouched when already that size."""
-    def resize():
-        resized = tf.image.resize(images, (size, size), antialias=True)
-        return tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8)
     same = tf.reduce_all(tf.equal(tf.shape(images)[1:3], [size, size]))
-    resized = tf.cond(same, lambda: images, resize)
+    resized = tf.cond(same, lambda: images,
+                      lambda: augment.make_resize(size)(images, None)[0])
     return tf.ensure_shape(resized, [None, size, size, 3])
 
 
 def serving_functions(trained: inference.TrainedModel) -> dict:
     """name -> (function, input signature) for the SavedModel."""
     size, spec, model = trained.image_size, trained.spec, trained.model
-    mean = tf.constant(spec.mean, tf.float32) * 255.0
-    std = tf.constant(spec.std, tf.float32) * 255.0
+    normalize = augment.make_normalize(spec.mean, spec.std)
     names = tf.constant(list(trained.class_names))
-
     tta_flip = bool(trained.config.get("tta_flip"))
 
     def classify(images):  # uint8 at the model's size
-        normalized = (tf.cast(images, tf.float32) - mean) / std
+        normalized, _ = normalize(images, None)
         probabilities = tf.nn.softmax(inference.logits_of(model, normalized, tta_flip))
         index = tf.argmax(probabilities, axis=-1)
         return {"probabilities": probabilities, "class_index": index,

@@ -72,8 +72,7 @@ def plot_schedule(config: Config) -> str:
             schedules.sample_points(schedule, 200), plan.steps_per_epoch,
             f"{config.lr_schedule} schedule: {config.model} on {config.dataset}, "
             f"{plan.total_steps} steps")))
-    logging.info("LR schedule %s: %s", config.lr_schedule, ", ".join(
-        f"step {s}: {lr:.3g}" for s, lr in schedules.sample_points(schedule)))
+    logging.info("LR schedule %s: %s", config.lr_schedule, schedules.describe(schedule))
     return path
 
 

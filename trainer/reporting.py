@@ -152,5 +152,4 @@ def log_setup(config, spec, runtime, plan, precision: str, jit: bool, schedule,
     if config.ema_decay:
         logging.info("Weight averaging: EMA with decay %g per step; evaluation and "
                      "model.weights.h5 use the average", config.ema_decay)
-    logging.info("LR schedule %s: %s", config.lr_schedule, ", ".join(
-        f"step {s}: {lr:.3g}" for s, lr in schedules.sample_points(schedule)))
+    logging.info("LR schedule %s: %s", config.lr_schedule, schedules.describe(schedule))

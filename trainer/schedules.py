@@ -66,3 +66,8 @@ def sample_points(schedule: WarmupSchedule, num: int = 6) -> list[tuple[int, flo
     steps = sorted({0, min(schedule.warmup_steps, last), last,
                     *(round(last * i / (num - 1)) for i in range(1, num - 1))})
     return [(s, float(schedule(s))) for s in steps]
+
+
+def describe(schedule: WarmupSchedule) -> str:
+    """'step 0: 0, step 194: 0.321, ...' for the log."""
+    return ", ".join(f"step {s}: {lr:.3g}" for s, lr in sample_points(schedule))
