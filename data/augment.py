@@ -5,10 +5,14 @@ image: on a 2-core CPU the per-image version starved the training step), eagerly
 inside `Dataset.map`. Training augmentation runs on uint8 images before
 normalization, and only on the training split.
 
-Augmentations are stateless: they take a `seed` (a [2] int tensor) and are a pure
-function of (images, seed). The pipeline derives the seed from (run seed, epoch,
-batch), so a resumed run augments exactly as an uninterrupted one.
+The soft-target mixes (`mixup`, `cutmix`, `mix`) run after normalization, on float
+images: `(images, labels, seed) -> (images, targets [B, num_classes])`.
+
+Everything here is stateless: it takes a `seed` (a [2] int tensor) and is a pure
+function of (images, labels, seed). The pipeline derives the seed from (run seed,
+epoch, batch), so a resumed run augments exactly as an uninterrupted one.
 """
+import functools
 from typing import Callable
 
 import tensorflow as tf
@@ -99,7 +103,9 @@ TRAIN_AUGMENTATIONS: dict[str, Callable[..., Batch]] = {
 
 
 def make_normalize(mean, std) -> Callable[..., Batch]:
-    """uint8 [0, 255] -> float32, per-channel standardized (any leading shape)."""
+    """uint8 [0, 255] -> float32, per-channel standardized (any leading shape).
+
+    The one normalization: training, evaluation, prediction and export all use it."""
     mean = tf.constant(mean, tf.float32) * 255.0
     std = tf.constant(std, tf.float32) * 255.0
 
@@ -116,3 +122,98 @@ def make_resize(size: int) -> Callable[..., Batch]:
         image = tf.image.resize(image, (size, size), antialias=True)
         return tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8), label
     return resize
+
+
+# Soft-target mixes: after normalization, on float images; they return one-hot
+# targets mixed in the same proportion as the pixels.
+
+def _beta(seed: tf.Tensor, alpha: float) -> tf.Tensor:
+    """One Beta(alpha, alpha) draw, stateless: X / (X + Y) for X, Y ~ Gamma(alpha)."""
+    x_seed, y_seed = _seeds(seed, 2)
+    x = tf.random.stateless_gamma([], x_seed, alpha)
+    y = tf.random.stateless_gamma([], y_seed, alpha)
+    # For small alpha both draws can underflow to 0: then lam = 0, still a valid mix.
+    return tf.math.divide_no_nan(x, x + y)
+
+
+def _mixed_targets(labels: tf.Tensor, lam: tf.Tensor, num_classes: int) -> tf.Tensor:
+    """lam * one_hot(labels) + (1 - lam) * one_hot(the reversed batch's labels)."""
+    one_hot = tf.one_hot(labels, num_classes, dtype=tf.float32)
+    return lam * one_hot + (1.0 - lam) * tf.reverse(one_hot, [0])
+
+
+def mixup(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor, num_classes: int,
+          alpha: float) -> Batch:
+    """mixup (Zhang et al. 2018): every image blended with its partner in the reversed
+    batch (as timm pairs them: no shuffle to seed) by one lam ~ Beta(alpha, alpha) per
+    batch. Returns (images, float32 targets [B, num_classes])."""
+    lam = _beta(seed, alpha)
+    blend = tf.cast(lam, images.dtype)
+    images = blend * images + (1 - blend) * tf.reverse(images, [0])
+    return images, _mixed_targets(labels, lam, num_classes)
+
+
+def cutmix(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor, num_classes: int,
+           alpha: float) -> Batch:
+    """CutMix (Yun et al. 2019): one box per batch, of area (1 - lam) for lam ~
+    Beta(alpha, alpha) and a uniformly random centre, clipped to the image, gets the
+    reversed batch's pixels. The targets' weights are the pixel fractions actually
+    kept and pasted (the clipping shrinks the box). Returns (images, float32 targets)."""
+    lam_seed, row_seed, col_seed = _seeds(seed, 3)
+    lam = _beta(lam_seed, alpha)
+    height, width = tf.shape(images)[1], tf.shape(images)[2]
+    side = tf.sqrt(1.0 - lam)
+    box_h = tf.cast(tf.cast(height, tf.float32) * side, tf.int32)
+    box_w = tf.cast(tf.cast(width, tf.float32) * side, tf.int32)
+    centre_row = tf.random.stateless_uniform([], row_seed, 0, height, tf.int32)
+    centre_col = tf.random.stateless_uniform([], col_seed, 0, width, tf.int32)
+    top = tf.clip_by_value(centre_row - box_h // 2, 0, height)
+    bottom = tf.clip_by_value(centre_row - box_h // 2 + box_h, 0, height)
+    left = tf.clip_by_value(centre_col - box_w // 2, 0, width)
+    right = tf.clip_by_value(centre_col - box_w // 2 + box_w, 0, width)
+    rows, cols = tf.range(height), tf.range(width)
+    in_rows = (rows >= top) & (rows < bottom)
+    in_cols = (cols >= left) & (cols < right)
+    in_box = (in_rows[:, None] & in_cols[None, :])[None, :, :, None]
+    images = tf.where(in_box, tf.reverse(images, [0]), images)
+    pasted = tf.cast((bottom - top) * (right - left), tf.float32) / tf.cast(
+        height * width, tf.float32)
+    return images, _mixed_targets(labels, 1.0 - pasted, num_classes)
+
+
+def _check_alphas(mixup_alpha: float, cutmix_alpha: float) -> None:
+    if mixup_alpha < 0 or cutmix_alpha < 0:
+        raise ValueError(f"mixup_alpha and cutmix_alpha must be >= 0, not "
+                         f"{mixup_alpha} and {cutmix_alpha}")
+
+
+def mix(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor, num_classes: int,
+        mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0) -> Batch:
+    """mixup or CutMix, whichever has alpha > 0; with both, one of the two per batch
+    with probability 1/2 each (as timm's Mixup). With neither: the images unchanged
+    and one-hot targets. Returns (images, float32 targets [B, num_classes]), each
+    example's targets summing to 1."""
+    _check_alphas(mixup_alpha, cutmix_alpha)
+    if mixup_alpha > 0 and cutmix_alpha > 0:
+        choice_seed, mix_seed = _seeds(seed, 2)
+        use_cutmix = tf.random.stateless_uniform([], choice_seed) < 0.5
+        return tf.cond(use_cutmix,
+                       lambda: cutmix(images, labels, mix_seed, num_classes, cutmix_alpha),
+                       lambda: mixup(images, labels, mix_seed, num_classes, mixup_alpha))
+    if mixup_alpha > 0:
+        return mixup(images, labels, seed, num_classes, mixup_alpha)
+    if cutmix_alpha > 0:
+        return cutmix(images, labels, seed, num_classes, cutmix_alpha)
+    return images, tf.one_hot(labels, num_classes, dtype=tf.float32)
+
+
+def make_mix(num_classes: int, mixup_alpha: float = 0.0,
+             cutmix_alpha: float = 0.0) -> Callable[..., Batch] | None:
+    """The pipeline's `mix(images, labels, seed)`, or None when both alphas are 0: a
+    run without mixing then keeps exactly the batches (and augmentation seeds) it
+    had before mixing existed."""
+    _check_alphas(mixup_alpha, cutmix_alpha)
+    if mixup_alpha == 0 and cutmix_alpha == 0:
+        return None
+    return functools.partial(mix, num_classes=num_classes, mixup_alpha=mixup_alpha,
+                             cutmix_alpha=cutmix_alpha)

@@ -7,12 +7,15 @@ Images are resized to image_size x image_size and stored as JPEG (quality 95), i
 the flowers codelab's format (see data/tfrecords.py); files are named
 PREFIX{shard:02d}-{count}.tfrec, with a dataset.json beside them. Train on them with
 `python -m trainer.main --dataset=tfrecord:DIR/flowers*.tfrec`.
+
+Exit status: 0 written; 2 a source that cannot be read (a one-line error on stderr).
 """
-import argparse
 import json
 import os
+import sys
 from typing import Iterator
 
+from absl import app, flags
 import tensorflow as tf
 
 from data import augment, sources, tfrecords
@@ -61,31 +64,62 @@ def records_from_tfds(name: str, size: int, data_dir: str | None
     return generate(), total, list(spec.class_names)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", required=True,
-                        help="a TFDS name (tf_flowers) or a folder of class folders")
-    parser.add_argument("--output", required=True, help="file prefix, e.g. out/flowers")
-    parser.add_argument("--image_size", type=int, default=192)
-    parser.add_argument("--shards", type=int, default=16)
-    parser.add_argument("--data_dir", default=None, help="TFDS data dir")
-    args = parser.parse_args()
-    if os.path.isdir(args.source):
-        records, total, classes = records_from_folder(args.source, args.image_size)
-        source = ""
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """Defined only when run as a command: importing this module (tests, conftest)
+    must not claim flag names such as --data_dir that trainer.main also defines."""
+    flags.DEFINE_string("source", None,
+                        "A TFDS name (tf_flowers) or a folder of class folders.")
+    flags.DEFINE_string("output", None, "File prefix, e.g. out/flowers.")
+    flags.DEFINE_integer("image_size", 192, "Images are resized to this square size.",
+                         lower_bound=1)
+    flags.DEFINE_integer("shards", 16, "Number of files to write.", lower_bound=1)
+    flags.DEFINE_string("data_dir", None, "TFDS data dir.")
+    flags.mark_flags_as_required(["source", "output"])
+
+
+def write(source: str, output: str, image_size: int, shards: int,
+          data_dir: str | None) -> list[str]:
+    """Writes the shards and their dataset.json; returns the shards' paths."""
+    if os.path.isdir(source):
+        records, total, classes = records_from_folder(source, image_size)
+        tfds_name = ""
+    elif source in sources.names():
+        records, total, classes = records_from_tfds(source, image_size, data_dir)
+        tfds_name = source
     else:
-        records, total, classes = records_from_tfds(args.source, args.image_size,
-                                                    args.data_dir)
-        source = args.source
-    paths = tfrecords.write_shards(records, total, args.output, args.shards)
-    holdout = sources.get_spec(source).holdout_fraction if source else 0.15
-    meta = {"source": source, "class_names": classes, "image_size": args.image_size,
+        raise sources.DatasetError(
+            f"--source={source!r} is neither a folder of class folders nor a dataset "
+            f"({', '.join(sources.names())})")
+    if not total:
+        raise sources.DatasetError(f"{source} has no images ({', '.join(IMAGE_EXTENSIONS)})")
+    paths = tfrecords.write_shards(records, total, output, shards)
+    holdout = sources.get_spec(tfds_name).holdout_fraction if tfds_name else 0.15
+    meta = {"source": tfds_name, "class_names": classes, "image_size": image_size,
             "records": total, "holdout_fraction": holdout, "files": len(paths)}
-    with open(os.path.join(os.path.dirname(args.output) or ".",
+    with open(os.path.join(os.path.dirname(output) or ".",
                            sources.TFRECORD_METADATA), "w") as f:
         json.dump(meta, f, indent=2)
-    print(f"wrote {total} records in {len(paths)} files: {paths[0]} ... {paths[-1]}")
+    return paths
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {argv[1:]}; flags look like --name=value",
+              file=sys.stderr)
+        sys.exit(2)
+    try:
+        paths = write(FLAGS.source, FLAGS.output, FLAGS.image_size, FLAGS.shards,
+                      FLAGS.data_dir)
+    except sources.DatasetError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    records = sum(tfrecords.record_count(path) for path in paths)
+    print(f"wrote {records} records in {len(paths)} files: {paths[0]} ... {paths[-1]}")
 
 
 if __name__ == "__main__":
-    main()
+    define_flags()
+    app.run(main)

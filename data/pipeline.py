@@ -1,7 +1,9 @@
 """Batched input pipelines, one per input worker (`tf.distribute.InputContext`).
 
 Used through `strategy.distribute_datasets_from_function`: each call builds the
-pipeline of one input worker, which yields batches of the *per-replica* size.
+pipeline of one input worker, which yields batches of the *per-replica* size, as
+dicts: training {"image", "label"} (+ "target" when mixing), evaluation
+{"image", "label", "mask"}.
 """
 import math
 from typing import Callable
@@ -13,12 +15,8 @@ AUTOTUNE = tf.data.AUTOTUNE
 
 def per_replica_batch_size(global_batch_size: int, context: tf.distribute.InputContext
                            ) -> int:
-    replicas = context.num_replicas_in_sync
-    if global_batch_size % replicas:
-        raise ValueError(
-            f"global batch size {global_batch_size} does not divide by the "
-            f"{replicas} replicas; use a multiple of {replicas}")
-    return global_batch_size // replicas
+    # The trainer checks once, before building pipelines, that the replicas divide it.
+    return global_batch_size // context.num_replicas_in_sync
 
 
 def _shard(ds: tf.data.Dataset, context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -33,18 +31,24 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
                shuffle_buffer: int, seed: int = 0,
                cache: bool = True, prepare: Callable | None = None,
                num_examples: int | None = None, shard: bool = True,
-               start_step: int = 0) -> tf.data.Dataset:
+               start_step: int = 0, mix: Callable | None = None) -> tf.data.Dataset:
     """shard -> prepare -> cache blocks -> [per epoch: block_shuffle -> batch] -> skip to
-    `start_step` -> augment+normalize -> prefetch.
+    `start_step` -> augment -> normalize -> mix -> prefetch.
+
+    Yields {"image": float32 [B, H, W, C], "label": int32 [B]} per replica, plus
+    "target": float32 [B, num_classes] (soft targets) when `mix` is given.
 
     The stream is a pure function of (seed, input pipeline, epoch, batch): each
     epoch's order is shuffled with a seed made from the epoch number, and each
-    batch's augmentation is seeded by (epoch, batch). A run resumed at `start_step`
-    therefore sees exactly the batches an uninterrupted run would have seen, and the
-    skip only replays (shuffles and batches, no augmentation) part of one epoch.
+    batch's augmentation and mix are seeded by (epoch, batch). A run resumed at
+    `start_step` therefore sees exactly the batches an uninterrupted run would have
+    seen, and the skip only replays (shuffles and batches, no augmentation) part of
+    one epoch.
 
     `prepare` runs per example before the cache (decode-time work such as resizing);
-    `augment(images, labels, seed)` and `normalize` take whole batches.
+    `augment(images, labels, seed)` and `normalize` take whole batches;
+    `mix(images, labels, seed) -> (images, targets)` takes normalized batches
+    (data.augment.make_mix).
     shard=False: `ds` is already this worker's shard (data.sources.load(context=...)).
     """
     batch = per_replica_batch_size(global_batch_size, context)
@@ -71,12 +75,18 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
     ds = _epochs(blocks, examples, batch, shuffle_buffer, pipeline_seed,
                  start_step * per_step)
 
-    def augment_and_normalize(position, images, labels):
+    def augment_normalize_mix(position, images, labels):
         key = tf.cast(tf.stack([pipeline_seed, position[0] * 1_000_003 + position[1]]),
                       tf.int64)
-        return normalize(*augment(images, labels, key))
+        if mix is None:  # the whole key, as before mixing existed: same batches bitwise
+            images, labels = normalize(*augment(images, labels, key))
+            return {"image": images, "label": tf.cast(labels, tf.int32)}
+        augment_key, mix_key = tf.unstack(tf.random.experimental.stateless_split(key, 2))
+        images, labels = normalize(*augment(images, labels, augment_key))
+        images, targets = mix(images, labels, mix_key)
+        return {"image": images, "label": tf.cast(labels, tf.int32), "target": targets}
 
-    ds = ds.map(augment_and_normalize, num_parallel_calls=AUTOTUNE)
+    ds = ds.map(augment_normalize_mix, num_parallel_calls=AUTOTUNE)
     return ds.prefetch(AUTOTUNE)
 
 
@@ -141,7 +151,8 @@ def make_eval(ds: tf.data.Dataset, num_examples: int,
               context: tf.distribute.InputContext, global_batch_size: int,
               normalize: Callable, cache: bool = True,
               prepare: Callable | None = None) -> tf.data.Dataset:
-    """Exact evaluation: yields (image, label, mask); padded examples have mask 0.
+    """Exact evaluation: yields {"image", "label", "mask"} batches; padded examples
+    have mask 0 (float32), real ones 1.
 
     Every input worker yields the same number of full batches (static shapes, as TPUs
     need), and each real example appears exactly once across all workers.
@@ -152,13 +163,17 @@ def make_eval(ds: tf.data.Dataset, num_examples: int,
     ds = _shard(ds, context)
     if prepare is not None:
         ds = ds.map(prepare, num_parallel_calls=AUTOTUNE)
-    ds = ds.map(lambda image, label: (*normalize(image, label), tf.constant(1.0)),
-                num_parallel_calls=AUTOTUNE)
+
+    def normalized_example(image, label):
+        image, label = normalize(image, label)
+        return {"image": image, "label": tf.cast(label, tf.int32), "mask": tf.constant(1.0)}
+
+    ds = ds.map(normalized_example, num_parallel_calls=AUTOTUNE)
     if cache:
         ds = ds.cache()
-    element = ds.element_spec
+    image = ds.element_spec["image"]
     padding = tf.data.Dataset.from_tensors(
-        (tf.zeros(element[0].shape, element[0].dtype), tf.constant(0, element[1].dtype),
-         tf.constant(0.0))).repeat()
+        {"image": tf.zeros(image.shape, image.dtype), "label": tf.constant(0, tf.int32),
+         "mask": tf.constant(0.0)}).repeat()
     ds = ds.concatenate(padding).take(per_pipeline)
     return ds.batch(batch, drop_remainder=True).prefetch(AUTOTUNE)

@@ -10,9 +10,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
-
-class DatasetError(RuntimeError):
-    """The data could not be found or read; the message says what to do."""
+from data import tfrecords
+from data.errors import DatasetError  # re-exported: callers catch sources.DatasetError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +111,6 @@ def load(spec: DatasetSpec, split: str, data_dir: str | None = None,
         ds = synthetic(spec, size, seed=1 if validation else 0)
         return ds.shard(pipelines, worker), size
     if spec.name.startswith(TFRECORD_PREFIX):
-        from data import tfrecords  # noqa: avoid a cycle (tfrecords uses DatasetError)
         ds, total = tfrecords.load(spec.name[len(TFRECORD_PREFIX):], pipelines, worker)
         return holdout(ds, total, spec.holdout_fraction, validation)
     if spec.holdout_fraction:
@@ -128,7 +126,6 @@ def load(spec: DatasetSpec, split: str, data_dir: str | None = None,
 def explain_read_error(spec: DatasetSpec) -> str | None:
     """After a failed read: which file is broken, if it can be found (TFRecords)."""
     if spec.name.startswith(TFRECORD_PREFIX):
-        from data import tfrecords  # noqa: see load()
         return tfrecords.find_corrupt(spec.name[len(TFRECORD_PREFIX):])
     return None
 

@@ -12,7 +12,7 @@ from typing import Iterable
 
 import tensorflow as tf
 
-from data.sources import DatasetError
+from data.errors import DatasetError
 
 FEATURES = {
     "image": tf.io.FixedLenFeature([], tf.string),

@@ -1,9 +1,11 @@
 """The model table: name -> builder. Every builder returns a Keras model giving
-float32 logits (no softmax), whatever the mixed-precision policy.
+float32 logits (no softmax), whatever the mixed-precision policy, or a dict of them
+with the main head under "logits" (e.g. resnet_aux: also "aux_logits").
 
 All builders share one signature, `build(num_classes, input_shape, tiny=False)`:
 `tiny=True` gives a small variant of the same architecture for tests.
 """
+import functools
 import os
 from typing import Callable
 
@@ -17,6 +19,7 @@ _BUILDERS: dict[str, Builder] = {
     "cifar_cnn": cifar_cnn.build,
     "convnet": convnet.build,
     "resnet": resnet.build,
+    "resnet_aux": functools.partial(resnet.build, aux_head=True),
     "resnet_fast": resnet_fast.build,
     "squeezenet": squeezenet.build,
     "xception": xception.build,

@@ -3,6 +3,10 @@
 Three stages of `blocks` basic blocks (two 3x3 conv-BN, identity shortcut; a 1x1
 projection where the stage halves the size and doubles the width). The default,
 ResNet-20 (0.27M parameters), is a modern CIFAR-10 baseline that a CPU can train.
+
+`aux_head=True` adds an auxiliary classifier after the second stage (as Inception's
+auxiliary heads): the model then returns {"logits", "aux_logits"}; the training
+step adds the auxiliary loss, evaluation and serving use "logits".
 """
 import keras
 from keras import layers
@@ -24,16 +28,24 @@ def basic_block(x, filters: int, strides: int = 1):
 
 
 def build(num_classes: int = 10, input_shape: tuple[int, int, int] = (32, 32, 3),
-          tiny: bool = False, blocks: int = 3, width: int = 16) -> keras.Model:
-    """Args: blocks: per stage (depth = 6 * blocks + 2); width: first stage's filters."""
+          tiny: bool = False, blocks: int = 3, width: int = 16,
+          aux_head: bool = False) -> keras.Model:
+    """Args: blocks: per stage (depth = 6 * blocks + 2); width: first stage's filters;
+    aux_head: also return "aux_logits" from a head on the second stage."""
     if tiny:
         blocks, width = 1, 4
     inputs = keras.Input(shape=input_shape, name="image")
     x = layers.Activation("relu")(_conv_bn(inputs, width))
+    aux_logits = None
     for stage in range(3):
         for block in range(blocks):
             strides = 2 if stage > 0 and block == 0 else 1
             x = basic_block(x, width * 2 ** stage, strides)
+        if aux_head and stage == 1:
+            pooled = layers.GlobalAveragePooling2D()(x)
+            aux_logits = layers.Dense(num_classes, dtype="float32", name="aux_logits")(pooled)
     x = layers.GlobalAveragePooling2D()(x)
     logits = layers.Dense(num_classes, dtype="float32", name="logits")(x)
-    return keras.Model(inputs, logits, name="resnet_tiny" if tiny else f"resnet{6 * blocks + 2}")
+    name = ("resnet_tiny" if tiny else f"resnet{6 * blocks + 2}") + ("_aux" if aux_head else "")
+    outputs = {"logits": logits, "aux_logits": aux_logits} if aux_head else logits
+    return keras.Model(inputs, outputs, name=name)

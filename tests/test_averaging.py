@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from test_step import _batch, _no_bn_model
-from trainer import averaging, distributed, loop, optimizers
+from trainer import averaging, distributed, loop, optimizers, step
 
 
 def _train(strategy, ema_decay, steps=3):
@@ -17,8 +17,10 @@ def _train(strategy, ema_decay, steps=3):
                                       momentum=0.0, ema_decay=ema_decay)
     dataset = tf.data.Dataset.from_tensors(_batch(8)).repeat()
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
-    distributed.make_train_loop(strategy, model, optimizer, 8, False)(
-        iterator, tf.constant(steps))
+    options = step.StepOptions(batch_size=8)
+    distributed.make_train_loop(
+        strategy, lambda batch: step.train_step(model, optimizer, batch, options))(
+        iterator, tf.constant(steps), tf.constant(0.0))
     return model, optimizer
 
 

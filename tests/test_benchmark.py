@@ -1,25 +1,46 @@
 """The benchmark script runs and reports every case (never a speed: timing is noisy)."""
 import json
+import os
+import subprocess
+import sys
 
-import pytest
+from trainer.tools import benchmark
 
-from trainer import benchmark
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_benchmark_reports_every_case_with_flops(tmp_path, capsys):
+def _benchmark(*args):
+    return subprocess.run([sys.executable, "-m", "trainer.tools.benchmark", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+
+
+def test_benchmark_reports_every_case_with_flops(tmp_path):
     output = tmp_path / "bench.json"
-    benchmark.main(["--model=cifar_cnn", "--model_size=tiny", "--dataset=synthetic",
-                    "--batch_size=16", "--steps=2", "--rounds=1", "--steps_per_loop=1",
-                    "--precision=float32", "--peak_size=256", f"--output={output}"])
-    result = json.loads(output.read_text())
-    names = [row["name"] for row in result["rows"]]
+    result = _benchmark("--model=cifar_cnn", "--model_size=tiny", "--dataset=synthetic",
+                        "--batch_size=16", "--steps=2", "--rounds=1", "--steps_per_loop=1",
+                        "--precision=float32", "--peak_size=256", f"--output={output}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    measured = json.loads(output.read_text())
+    names = [row["name"] for row in measured["rows"]]
     assert names == ["ours", "model.fit", "ours, real input pipeline",
                      "ours, steps_per_loop=1", "ours, mixed_bfloat16", "ours, XLA on"]
-    assert all(row["images_per_second"] > 0 for row in result["rows"])
-    assert result["training_flops_per_image"] > 0
-    assert set(result["peak_flops"]) == {"float32", "mixed_bfloat16"}
-    table = capsys.readouterr().out
-    assert table.count("\n| ") == 8  # header, rule, 6 cases and "MFLOP per training image" in table
+    assert all(row["images_per_second"] > 0 for row in measured["rows"])
+    assert measured["training_flops_per_image"] > 0 and measured["replicas"] == 1
+    assert set(measured["peak_flops"]) == {"float32", "mixed_bfloat16"}
+    assert result.stdout.count("\n| ") == 8  # header, rule and 6 cases
+
+
+def test_two_cpu_replicas_run_ours_and_fit_side_by_side(tmp_path):
+    output = tmp_path / "bench.json"
+    result = _benchmark("--model=cifar_cnn", "--model_size=tiny", "--dataset=synthetic",
+                        "--batch_size=16", "--steps=2", "--rounds=1", "--cases=fit,xla",
+                        "--precision=float32", "--peak_size=256", "--cpu_replicas=2",
+                        f"--output={output}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    measured = json.loads(output.read_text())
+    assert measured["replicas"] == 2  # XLA is left out: it fails on 2 CPU devices
+    assert [row["name"] for row in measured["rows"]] == ["ours", "model.fit"]
 
 
 def test_cases_subset_keeps_the_baseline_first():
@@ -28,8 +49,7 @@ def test_cases_subset_keeps_the_baseline_first():
     assert chosen[1].precision == "float32"
 
 
-def test_unknown_case_is_a_usage_error(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        benchmark.main(["--cases=ours,speed"])
-    assert exit_info.value.code == 2
-    assert "unknown --cases speed" in capsys.readouterr().err
+def test_unknown_case_is_a_usage_error():
+    result = _benchmark("--cases=ours,speed")
+    assert result.returncode == 2
+    assert "unknown --cases speed" in result.stderr

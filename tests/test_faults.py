@@ -15,7 +15,7 @@ import tensorflow as tf
 from conftest import CPUS, mirrored
 from test_main import ROOT, TINY, _main
 from test_step import _batch
-from trainer import distributed, faults, optimizers
+from trainer import distributed, faults, optimizers, step
 
 
 def _linear_model() -> keras.Model:
@@ -27,40 +27,64 @@ def _linear_model() -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(5, kernel_initializer=init)(x))
 
 
-def _train(strategy, batches, on_nan):
+def _train(strategy, batches):
     with strategy.scope():
         model = _linear_model()
-        optimizer = optimizers.create("adam", 0.01, model.trainable_variables)
+        # SGD: its update does not read the step count (Adam's bias correction does,
+        # and a skipped step is still a step), so the weights must match exactly.
+        optimizer = optimizers.create("sgd", 0.01, model.trainable_variables, momentum=0.0)
     dataset = tf.data.Dataset.from_tensor_slices(
-        tuple(tf.stack(part) for part in zip(*batches))).repeat()
+        {key: tf.stack([b[key] for b in batches]) for key in batches[0]}).repeat()
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
-    loop = distributed.make_train_loop(strategy, model, optimizer, 8, False, on_nan)
-    sums = {k: float(v) for k, v in loop(iterator, tf.constant(len(batches))).items()}
-    return model, optimizer, sums
+    options = step.StepOptions(batch_size=8)
+    loop = distributed.make_train_loop(
+        strategy, lambda batch: step.train_step(model, optimizer, batch, options))
+    sums, _ = loop(iterator, tf.constant(len(batches)), tf.constant(0.0))
+    return model, optimizer, tf.nest.map_structure(lambda t: float(t), sums)
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_skip_step_drops_exactly_the_bad_update_on_every_replica(replicas):
+def test_a_non_finite_update_is_dropped_on_every_replica_and_counted(replicas):
     strategy = mirrored() if replicas == 2 else tf.distribute.OneDeviceStrategy(CPUS[0])
-    good_1, good_2 = _batch(), (_batch()[0] * 0.5, _batch()[1])
-    images = _batch()[0].numpy()
+    good_1, good_2 = _batch(), {**_batch(), "image": _batch()["image"] * 0.5}
+    images = _batch()["image"].numpy()
     images[-1, 0, 0, 0] = np.nan  # one example, on the last replica's slice only
-    bad = (tf.constant(images), _batch()[1])
-    skipped_model, opt, sums = _train(strategy, [good_1, bad, good_2], "skip_step")
-    clean_model, clean_opt, clean = _train(strategy, [good_1, good_2], "skip_step")
-    assert sums["skipped"] == 1 and clean["skipped"] == 0
-    assert sums["count"] == 16 and np.isfinite(sums["loss_sum"])
-    assert int(opt.iterations.numpy()) == int(clean_opt.iterations.numpy()) == 2
+    bad = {**_batch(), "image": tf.constant(images)}
+    skipped_model, opt, sums = _train(strategy, [good_1, bad, good_2])
+    clean_model, clean_opt, clean = _train(strategy, [good_1, good_2])
+    # (skipped steps, steps) summed over replicas: one of three steps was dropped.
+    assert sums["skipped"][0] / sums["skipped"][1] == pytest.approx(1 / 3)
+    assert clean["skipped"][0] == 0
+    # The skipped step's examples are not counted; its loss does not poison the sum.
+    assert sums["loss"][1] == 16 and np.isfinite(sums["loss"][0])
+    # One step counter: the skipped step still advanced optimizer.iterations (it
+    # consumed its batch, so the schedule and the data position stay together) ...
+    assert int(opt.iterations.numpy()) == 3 and int(clean_opt.iterations.numpy()) == 2
+    # ... while the weights are exactly those of the two good updates alone.
     for a, b in zip(skipped_model.get_weights(), clean_model.get_weights()):
         np.testing.assert_array_equal(a, b)
 
 
-def test_stop_returns_at_the_first_non_finite_step():
-    images = _batch()[0].numpy()
-    images[0, 0, 0, 0] = np.nan
-    batches = [_batch(), _batch(), (tf.constant(images), _batch()[1]), _batch()]
-    _, _, sums = _train(tf.distribute.OneDeviceStrategy(CPUS[0]), batches, "stop")
-    assert sums["steps"] == 3 and not np.isfinite(sums["loss_sum"])
+def test_skip_step_keeps_schedule_and_data_position_together(tmp_path):
+    """A run with skipped updates: the learning rate logged at each step is the
+    schedule's value at that step, and the run resumes from the data position of
+    its step count."""
+    from trainer import loop
+    from trainer.config import Config
+    config = Config(model="cifar_cnn", model_size="tiny", dataset="synthetic",
+                    model_dir=str(tmp_path / "run"), batch_size=16, train_steps=6,
+                    steps_per_loop=1, log_every=1, eval_every=6, checkpoint_every=3,
+                    precision="float32", shuffle_buffer=64, on_nan="skip_step",
+                    learning_rate=1e30, optimizer="sgd", momentum=0.0,
+                    lr_schedule="linear", warmup_epochs=0.0)
+    metrics = loop.train_and_evaluate(config)
+    assert metrics["skipped_steps"] >= 1 and metrics["steps"] == 6
+    with open(os.path.join(config.model_dir, "metrics.json")) as f:
+        history = json.load(f)["train_history"]
+    schedule = loop.make_schedule(config, loop.Plan.make(config, 10_000, 2_000, 1))
+    for record in history:  # the LR of the next step, at every step, skipped or not
+        assert record["learning_rate"] == pytest.approx(float(schedule(record["step"])))
+    assert tf.train.latest_checkpoint(config.model_dir).endswith("ckpt-6")
 
 
 def test_diverging_run_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path):
@@ -73,7 +97,7 @@ def test_diverging_run_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path):
                      "--learning_rate=1e12", "--optimizer=sgd", "--momentum=0")
     assert diverged.returncode == 3, diverged.stderr[-2000:]
     errors = [line for line in diverged.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: non-finite loss at step ")
+    assert len(errors) == 1 and errors[0].startswith("error: non-finite loss or gradient")
     assert "is kept" in errors[0]
     for name, mtime in files.items():  # the last good checkpoint is untouched
         assert os.path.getmtime(os.path.join(model_dir, name)) == mtime

@@ -16,7 +16,8 @@ from trainer import loop
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model_size=tiny", "--dataset=synthetic", "--batch_size=16", "--train_steps=4",
         "--steps_per_loop=2", "--log_every=2", "--precision=float32"]
-REQUIRED_FLAGS = ("model", "dataset", "data_dir", "model_dir", "batch_size", "epochs",
+REQUIRED_FLAGS = ("clip_grad_norm", "grad_accum_steps", "aux_loss_weight", "mixup_alpha",
+                  "cutmix_alpha", "model", "dataset", "data_dir", "model_dir", "batch_size", "epochs",
                   "train_steps", "optimizer", "learning_rate", "lr_schedule",
                   "warmup_epochs", "weight_decay", "tpu", "strategy", "cpu_replicas",
                   "jit_compile", "precision", "steps_per_loop", "log_every", "eval_every",
@@ -56,7 +57,9 @@ def test_cli_trains_and_writes_weights_and_metrics(tmp_path):
     ("--precision=fp8", "unknown precision 'fp8'"),
     ("--lr_schedule=onecycle", "unknown lr_schedule 'onecycle'"),
     ("--strategy=ps", "unknown strategy 'ps'"),
-    ("--cpu_replicas=3", "does not divide by --cpu_replicas=3"),
+    ("--cpu_replicas=3", "--batch_size=16 does not divide by the 3 replicas"),
+    ("--grad_accum_steps=3", "does not divide into --grad_accum_steps=3 micro-batches"),
+    ("--clip_grad_norm=-1", "--clip_grad_norm must be >= 0"),
     ("--on_nan=retry", "unknown on_nan 'retry'; valid: skip_step, stop"),
     ("--augment=mixup", "unknown augment 'mixup'; valid: crop_flip_saturation"),
     ("--model=xception --model_size=full --image_size=32", "at least 71x71"),
@@ -96,10 +99,10 @@ def _eval_accuracy(model, spec, data_dir=None):
     ds = pipeline.make_eval(ds, n, tf.distribute.InputContext(), 100,
                             augment.make_normalize(spec.mean, spec.std))
     correct = count = 0.0
-    for images, labels, mask in ds:
-        hits = np.argmax(model(images, training=False), -1) == labels.numpy()
-        correct += float(np.sum(hits * mask.numpy()))
-        count += float(np.sum(mask.numpy()))
+    for batch in ds:
+        hits = np.argmax(model(batch["image"], training=False), -1) == batch["label"].numpy()
+        correct += float(np.sum(hits * batch["mask"].numpy()))
+        count += float(np.sum(batch["mask"].numpy()))
     return correct / count
 
 
@@ -121,6 +124,7 @@ def _main_in_process(*args) -> dict:
     """trainer.main's own flag parsing and main(), in this process; returns metrics."""
     from absl.testing import flagsaver
     from trainer import main as main_lib
+    main_lib.define_flags()
     with flagsaver.flagsaver():
         main_lib.FLAGS(["trainer.main", *args])
         main_lib.main(["trainer.main"])
@@ -153,6 +157,7 @@ def test_main_on_real_cifar10_from_tfds_data_dir(tmp_path):
 def test_recipe_defaults_yield_to_explicit_flags():
     from absl.testing import flagsaver
     from trainer import main as main_lib
+    main_lib.define_flags()
     with flagsaver.flagsaver():
         main_lib.FLAGS(["trainer.main", "--model=squeezenet", "--epochs=3",
                         "--batch_size=32"])

@@ -7,13 +7,15 @@ import models
 from models import squeezenet, xception
 
 SHAPES = {"cifar_cnn": (32, 32, 3), "resnet": (32, 32, 3), "resnet_fast": (32, 32, 3),
+          "resnet_aux": (32, 32, 3),
           "convnet": (64, 64, 3),
           "squeezenet": (64, 64, 3), "xception": (64, 64, 3)}
 
 
 def test_unknown_model_lists_known_ones():
     with pytest.raises(ValueError, match="unknown model 'resnet9'; valid: cifar_cnn, "
-                                         "convnet, resnet, resnet_fast, squeezenet, xception"):
+                                         "convnet, resnet, resnet_aux, resnet_fast, squeezenet, "
+                                         "xception"):
         models.build("resnet9", 10, (32, 32, 3))
 
 
@@ -33,6 +35,9 @@ def test_tiny_variant_outputs_float32_logits(name):
     assert model.count_params() < 100_000
     outputs = model(np.random.default_rng(0).normal(size=(3, *SHAPES[name])),
                     training=False)
+    if isinstance(outputs, dict):  # the main head is "logits"; others are auxiliary
+        assert all(o.shape == (3, 7) and o.dtype == "float32" for o in outputs.values())
+        outputs = outputs["logits"]
     assert outputs.shape == (3, 7) and outputs.dtype == "float32"
     # Logits, not probabilities: rows do not sum to 1.
     assert not np.allclose(np.sum(outputs, axis=-1), 1.0)

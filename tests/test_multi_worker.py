@@ -21,7 +21,7 @@ EXACT = ["--model=convnet", "--model_size=tiny", "--dataset=synthetic",
 
 def _launch(*args, workers=2):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    return subprocess.Popen([sys.executable, "-m", "trainer.launch",
+    return subprocess.Popen([sys.executable, "-m", "trainer.tools.launch",
                              f"--workers={workers}", "--", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -7,6 +7,7 @@ import os
 import shutil
 
 from absl import logging as absl_logging
+from absl.testing import flagsaver
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -14,7 +15,9 @@ import tensorflow as tf
 from conftest import small_tfrecord_dataset
 from data import sources
 import models
-from trainer import export, loop, predict, progress_bar, reporting
+from trainer import loop
+from trainer.output import progress as reporting, progress_bar
+from trainer.serving import export, predict
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -41,7 +44,7 @@ def _progress(bars=None):
     progress = reporting.Progress(total_steps=20, steps_per_epoch=10,
                                   global_batch_size=8, start_step=0, bars=bars)
     for step in (5, 10, 15, 20):
-        progress.add({"loss_sum": 8.0, "correct": 4.0, "count": 8.0 * 5}, 5, 0.5)
+        progress.add({"loss": (8.0, 40.0), "accuracy": (4.0, 40.0)}, 5, 0.5)
         progress.show(step, 0.1)
         if step % 10 == 0:
             progress.log(step, 0.1)
@@ -57,7 +60,7 @@ def test_terminal_gets_a_live_bar_per_epoch_and_no_log_lines(caplog):
     bars.close()
     shown = terminal.getvalue()
     assert "\r" in shown  # redrawn in place
-    for text in ("epoch 1/2", "epoch 2/2", "10/10", "loss 0.2000", "acc 0.1000",
+    for text in ("epoch 1/2", "epoch 2/2", "10/10", "loss 0.2000", "accuracy 0.1000",
                  "lr 0.1", "80 img/s"):
         assert text in shown, text
     # After step 5: 5 steps of 8 images left in the epoch, 15 in the run, at 80 img/s.
@@ -221,8 +224,11 @@ def test_predict_gives_the_in_memory_models_classes(tmp_path):
 
 
 def test_predict_bad_model_dir_is_a_one_line_error(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        predict.main(["--model_dir", str(tmp_path), "x.png"])
+    with flagsaver.flagsaver():  # predict's own flags, gone again afterwards
+        predict.define_flags()
+        argv = predict.FLAGS(["predict", "--model_dir", str(tmp_path), "x.png"])
+        with pytest.raises(SystemExit) as exit_info:
+            predict.main(argv)
     assert exit_info.value.code == 2
     assert "run_config.json not found" in capsys.readouterr().err
 

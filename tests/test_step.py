@@ -1,4 +1,5 @@
-"""The per-replica step and its distributed wrapper."""
+"""The per-replica step and its distributed wrapper: the explicit cross-replica sum,
+clipping, accumulation, metrics as data, auxiliary heads, loss scaling."""
 import keras
 import numpy as np
 import pytest
@@ -8,124 +9,261 @@ from conftest import CPUS, mirrored
 from trainer import distributed, optimizers, step
 
 
-def _no_bn_model(seed: int = 3) -> keras.Model:
+def _no_bn_model(seed: int = 3, aux_head: bool = False) -> keras.Model:
     """Deterministic init, no batch-norm/dropout: replicas must agree exactly."""
     init = keras.initializers.GlorotUniform(seed=seed)
     inputs = keras.Input((8, 8, 3))
     x = keras.layers.Conv2D(4, 3, activation="relu", kernel_initializer=init)(inputs)
     x = keras.layers.Flatten()(x)
-    return keras.Model(inputs, keras.layers.Dense(5, kernel_initializer=init)(x))
+    logits = keras.layers.Dense(5, kernel_initializer=init)(x)
+    if not aux_head:
+        return keras.Model(inputs, logits)
+    aux = keras.layers.Dense(5, kernel_initializer=init, name="aux")(x)
+    return keras.Model(inputs, {"logits": logits, "aux_logits": aux})
 
 
-def _batch(size=8):
-    rng = np.random.default_rng(0)
-    return (tf.constant(rng.normal(size=(size, 8, 8, 3)), tf.float32),
-            tf.constant(rng.integers(0, 5, size), tf.int32))
+def _batch(size=8, seed=0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"image": tf.constant(rng.normal(size=(size, 8, 8, 3)), tf.float32),
+            "label": tf.constant(rng.integers(0, 5, size), tf.int32)}
 
 
-def _train_once(strategy, optimizer_name="sgd", steps=1, global_batch=8):
+def _one_device():
+    return tf.distribute.OneDeviceStrategy(CPUS[0])
+
+
+def _train(strategy, steps=1, global_batch=8, optimizer_name="sgd", learning_rate=0.1,
+           batches=None, model_fn=_no_bn_model, **options):
+    """Trains `steps` steps (of `batches`, cycled, else one fixed batch); returns
+    (model, optimizer, metric means)."""
     with strategy.scope():
-        model = _no_bn_model()
-        optimizer = optimizers.create(optimizer_name, 0.1, model.trainable_variables,
+        model = model_fn()
+        optimizer = optimizers.create(optimizer_name, learning_rate,
+                                      model.trainable_variables,
                                       momentum=0.0 if optimizer_name == "sgd" else 0.9)
-    dataset = tf.data.Dataset.from_tensors(_batch(global_batch)).repeat()
+    step_options = step.StepOptions(batch_size=global_batch, **options)
+    batches = batches or [_batch(global_batch)]
+    dataset = tf.data.Dataset.from_tensor_slices(
+        {key: tf.stack([b[key] for b in batches]) for key in batches[0]}).repeat()
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
-    loop = distributed.make_train_loop(strategy, model, optimizer, global_batch, False)
-    sums = loop(iterator, tf.constant(steps))
-    return model, optimizer, {k: float(v) for k, v in sums.items()}
+    loop = distributed.make_train_loop(
+        strategy, lambda batch: step.train_step(model, optimizer, batch, step_options))
+    sums, _ = loop(iterator, tf.constant(steps), tf.constant(0.0))
+    return model, optimizer, distributed.means(
+        tf.nest.map_structure(lambda t: t.numpy(), sums))
 
 
-def test_one_train_step_updates_weights(strategy):
+def _assert_same_weights(a: keras.Model, b: keras.Model, rtol=1e-5, atol=1e-6):
+    for x, y in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+
+
+def test_one_train_step_updates_weights_and_counts_one_step(strategy):
     with strategy.scope():
         before = [w.copy() for w in _no_bn_model().get_weights()]
-    model, optimizer, sums = _train_once(strategy, "adam")
-    assert np.isfinite(sums["loss_sum"]) and sums["count"] == 8
+    model, optimizer, metrics = _train(strategy, optimizer_name="adam")
+    assert np.isfinite(metrics["loss"]) and 0 <= metrics["accuracy"] <= 1
+    assert metrics["skipped"] == 0 and metrics["grad_norm"] > 0
     assert int(optimizer.iterations.numpy()) == 1
-    changed = [not np.allclose(a, b) for a, b in zip(before, model.get_weights())]
-    assert all(changed)
+    assert all(not np.allclose(a, b) for a, b in zip(before, model.get_weights()))
 
 
 def test_two_replicas_make_the_same_update_as_one():
-    one_model, _, one = _train_once(tf.distribute.OneDeviceStrategy(CPUS[0]), steps=2)
-    two_model, _, two = _train_once(mirrored(), steps=2)
-    for a, b in zip(one_model.get_weights(), two_model.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    # The reported loss is the global mean on both (no loss / num_replicas bug).
-    np.testing.assert_allclose(one["loss_sum"] / one["count"],
-                               two["loss_sum"] / two["count"], rtol=1e-5)
-    assert one["count"] == two["count"] == 16
+    one_model, _, one = _train(_one_device(), steps=2)
+    two_model, _, two = _train(mirrored(), steps=2)
+    _assert_same_weights(one_model, two_model)
+    # The reported loss and gradient norm are global (no loss / num_replicas bug).
+    for key in ("loss", "accuracy", "grad_norm"):
+        assert one[key] == pytest.approx(two[key], rel=1e-5)
+
+
+def test_the_gradient_is_summed_once_not_again_in_the_optimizer():
+    """One SGD step of lr 1 moves the weights by exactly the global-mean gradient."""
+    model, _, _ = _train(mirrored(), learning_rate=1.0)
+    start = _no_bn_model()
+    batch = _batch()
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+            batch["label"], start(batch["image"]), from_logits=True))
+    expected = tape.gradient(loss, start.trainable_variables)
+    for w0, w1, g in zip(start.get_weights(), model.get_weights(), expected):
+        np.testing.assert_allclose(w0 - w1, g.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_clipping_binds_on_the_summed_gradient_alike_on_one_and_two_replicas():
+    clip = 0.01
+    one_model, _, one = _train(_one_device(), steps=3, learning_rate=1.0,
+                               clip_grad_norm=clip)
+    two_model, _, two = _train(mirrored(), steps=3, learning_rate=1.0,
+                               clip_grad_norm=clip)
+    assert one["grad_norm"] > 10 * clip  # the clip really bound
+    _assert_same_weights(one_model, two_model)
+    # One clipped SGD step of lr 1 moves the weights by exactly `clip`.
+    single, _, _ = _train(mirrored(), steps=1, learning_rate=1.0, clip_grad_norm=clip)
+    moved = [a - b for a, b in zip(_no_bn_model().get_weights(), single.get_weights())]
+    assert np.sqrt(sum(np.sum(m * m) for m in moved)) == pytest.approx(clip, rel=1e-4)
+
+
+def test_accumulating_four_micro_batches_equals_one_full_batch_step():
+    batches = [_batch(16, seed=s) for s in range(2)]
+    full, _, full_metrics = _train(_one_device(), steps=2, global_batch=16,
+                                   batches=batches, optimizer_name="adam")
+    accumulated, optimizer, metrics = _train(_one_device(), steps=2, global_batch=16,
+                                             batches=batches, optimizer_name="adam",
+                                             grad_accum_steps=4)
+    two, _, two_metrics = _train(mirrored(), steps=2, global_batch=16, batches=batches,
+                                 optimizer_name="adam", grad_accum_steps=4)
+    _assert_same_weights(full, accumulated, rtol=1e-4, atol=1e-5)
+    _assert_same_weights(full, two, rtol=1e-4, atol=1e-5)
+    assert int(optimizer.iterations.numpy()) == 2  # one update per step
+    for key in ("loss", "accuracy", "grad_norm"):
+        assert metrics[key] == pytest.approx(full_metrics[key], rel=1e-4)
+        assert two_metrics[key] == pytest.approx(full_metrics[key], rel=1e-4)
+
+
+def test_grad_norm_is_the_global_norm_of_the_mean_gradient_by_hand():
+    model = _no_bn_model()
+    batch = _batch()
+    with tf.GradientTape() as tape:
+        logits = model(batch["image"])
+        per_example = -tf.math.log(tf.gather(tf.nn.softmax(logits), batch["label"],
+                                             batch_dims=1))
+        loss = tf.reduce_sum(per_example) / 8
+    by_hand = np.sqrt(sum(np.sum(g.numpy() ** 2)
+                          for g in tape.gradient(loss, model.trainable_variables)))
+    _, _, metrics = _train(mirrored())
+    assert metrics["grad_norm"] == pytest.approx(by_hand, rel=1e-5)
+
+
+def test_an_auxiliary_head_adds_its_weighted_loss():
+    batch = _batch()
+    model = _no_bn_model(aux_head=True)
+    outputs = model(batch["image"])
+    ce = lambda logits: keras.losses.sparse_categorical_crossentropy(  # noqa: E731
+        batch["label"], logits, from_logits=True)
+    options = step.StepOptions(batch_size=8, aux_loss_weight=0.4)
+    np.testing.assert_allclose(step.loss_fn(batch, outputs, options),
+                               ce(outputs["logits"]) + 0.4 * ce(outputs["aux_logits"]),
+                               rtol=1e-6)
+    # Trained, the auxiliary head moves; evaluation reads the main head only.
+    trained, _, metrics = _train(mirrored(), model_fn=lambda: _no_bn_model(aux_head=True))
+    assert np.isfinite(metrics["loss"])
+    aux_kernel = trained.get_layer("aux").get_weights()[0]
+    assert not np.allclose(aux_kernel, model.get_layer("aux").get_weights()[0])
+    eval_sums = step.eval_step(trained, {**batch, "mask": tf.ones(8)},
+                               step.StepOptions(batch_size=8))
+    np.testing.assert_allclose(float(eval_sums["loss"][0]), float(tf.reduce_sum(
+        ce(trained(batch["image"])["logits"]))), rtol=1e-5)
+
+
+def test_soft_targets_train_against_the_target_and_score_the_hard_label():
+    batch = _batch()
+    outputs = _no_bn_model()(batch["image"])
+    targets = 0.7 * tf.one_hot(batch["label"], 5) + 0.3 * tf.one_hot(
+        tf.reverse(batch["label"], [0]), 5)
+    options = step.StepOptions(batch_size=8)
+    np.testing.assert_allclose(
+        step.loss_fn({**batch, "target": targets}, outputs, options),
+        keras.losses.categorical_crossentropy(targets, outputs, from_logits=True),
+        rtol=1e-6)
 
 
 def test_reported_loss_is_the_unscaled_mean(strategy):
     with strategy.scope():
         model = _no_bn_model()
-    images, labels = _batch()
+    batch = _batch()
     expected = float(tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
-        labels, model(images), from_logits=True)))
-    loop = distributed.make_eval_loop(strategy, model, False)
-    masked = tf.data.Dataset.from_tensors((images, labels, tf.ones([8]))).repeat()
+        batch["label"], model(batch["image"]), from_logits=True)))
+    options = step.StepOptions(batch_size=8)
+    loop = distributed.make_eval_loop(strategy,
+                                      lambda b: step.eval_step(model, b, options))
+    masked = tf.data.Dataset.from_tensors({**batch, "mask": tf.ones([8])}).repeat()
     sums = loop(iter(strategy.experimental_distribute_dataset(masked)), tf.constant(1))
-    np.testing.assert_allclose(float(sums["loss_sum"]) / float(sums["count"]), expected,
-                               rtol=1e-5)
+    means = distributed.means(tf.nest.map_structure(lambda t: t.numpy(), sums))
+    np.testing.assert_allclose(means["loss"], expected, rtol=1e-5)
 
 
 def test_eval_step_ignores_padding_and_leaves_weights():
     model = _no_bn_model()
-    images, labels = _batch()
+    batch = _batch()
     weights = [w.copy() for w in model.get_weights()]
-    mask = tf.constant([1.0] * 5 + [0.0] * 3)
-    sums = step.eval_step(model, images, labels, mask)
-    assert float(sums["count"]) == 5
-    full = step.eval_step(model, images[:5], labels[:5], tf.ones([5]))
-    np.testing.assert_allclose(float(sums["loss_sum"]), float(full["loss_sum"]), rtol=1e-5)
+    options = step.StepOptions(batch_size=8)
+    sums = step.eval_step(model, {**batch, "mask": tf.constant([1.0] * 5 + [0.0] * 3)},
+                          options)
+    assert float(sums["loss"][1]) == 5
+    full = step.eval_step(model, {"image": batch["image"][:5], "label": batch["label"][:5],
+                                  "mask": tf.ones([5])}, options)
+    np.testing.assert_allclose(float(sums["loss"][0]), float(full["loss"][0]), rtol=1e-5)
     for a, b in zip(weights, model.get_weights()):
         np.testing.assert_array_equal(a, b)
 
 
-def test_mixed_float16_step_uses_loss_scaling():
+def test_mixed_float16_step_unscales_before_the_norm_and_matches_float32():
+    float32_model, _, float32_metrics = _train(_one_device(), steps=2)
     keras.mixed_precision.set_global_policy("mixed_float16")
-    strategy = tf.distribute.OneDeviceStrategy(CPUS[0])
+    strategy = _one_device()
     with strategy.scope():
         model = _no_bn_model()
-        optimizer = optimizers.create("adam", 1e-3, model.trainable_variables,
+        optimizer = optimizers.create("sgd", 0.1, model.trainable_variables, momentum=0.0,
                                       precision="mixed_float16")
-    assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    assert optimizers.loss_scaled(optimizer)
+    options = step.StepOptions(batch_size=8)
     dataset = tf.data.Dataset.from_tensors(_batch()).repeat()
-    loop = distributed.make_train_loop(strategy, model, optimizer, 8, False)
-    sums = loop(iter(strategy.experimental_distribute_dataset(dataset)), tf.constant(2))
-    assert np.isfinite(float(sums["loss_sum"]))
+    loop = distributed.make_train_loop(
+        strategy, lambda batch: step.train_step(model, optimizer, batch, options))
+    sums, _ = loop(iter(strategy.experimental_distribute_dataset(dataset)),
+                   tf.constant(2), tf.constant(0.0))
+    metrics = distributed.means(tf.nest.map_structure(lambda t: t.numpy(), sums))
+    # The loss was scaled by 32768, yet the norm is that of the real gradient.
+    assert metrics["grad_norm"] == pytest.approx(float32_metrics["grad_norm"], rel=2e-2)
+    _assert_same_weights(model, float32_model, rtol=2e-2, atol=2e-3)
 
 
 def test_jit_compiled_step_matches_plain_step():
-    strategy = tf.distribute.OneDeviceStrategy(CPUS[0])
-    plain, _, _ = _train_once(strategy)
+    plain, _, _ = _train(_one_device())
+    strategy = _one_device()
     with strategy.scope():
         model = _no_bn_model()
         optimizer = optimizers.create("sgd", 0.1, model.trainable_variables, momentum=0.0)
+    options = step.StepOptions(batch_size=8)
     dataset = tf.data.Dataset.from_tensors(_batch()).repeat()
-    loop = distributed.make_train_loop(strategy, model, optimizer, 8, jit_compile=True)
-    loop(iter(strategy.experimental_distribute_dataset(dataset)), tf.constant(1))
-    for a, b in zip(plain.get_weights(), model.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    loop = distributed.make_train_loop(
+        strategy, lambda batch: step.train_step(model, optimizer, batch, options),
+        jit_compile=True)
+    loop(iter(strategy.experimental_distribute_dataset(dataset)), tf.constant(1),
+         tf.constant(0.0))
+    _assert_same_weights(plain, model, rtol=1e-4, atol=1e-5)
 
 
 def test_label_smoothing_raises_the_loss_of_a_confident_right_answer():
     logits = tf.constant([[10.0, -10.0, -10.0]])
-    labels = tf.constant([0])
-    plain = float(step._loss(labels, logits, 0.0)[0])
-    smoothed = float(step._loss(labels, logits, 0.1)[0])
+    batch = {"label": tf.constant([0])}
+    plain = float(step.loss_fn(batch, logits, step.StepOptions(batch_size=1))[0])
+    smoothed = float(step.loss_fn(batch, logits, step.StepOptions(
+        batch_size=1, label_smoothing=0.1))[0])
     # 0.1 of the target is spread uniformly: 1/30 on each wrong class, at logit -10.
     assert plain < 1e-6 and smoothed == pytest.approx(2 / 30 * 20, rel=0.01)
 
 
 def test_flip_tta_evaluates_an_image_and_its_mirror():
     model = _no_bn_model()
-    images, labels = _batch()
-    mask = tf.ones(8)
-    mirrored = tf.reverse(images, axis=[2])
-    tta = step.eval_step(model, images, labels, mask, tta_flip=True)
-    tta_of_mirror = step.eval_step(model, mirrored, labels, mask, tta_flip=True)
-    plain = step.eval_step(model, images, labels, mask)
-    np.testing.assert_allclose(float(tta["loss_sum"]), float(tta_of_mirror["loss_sum"]),
-                               rtol=1e-5)  # symmetric in the flip
-    assert float(tta["loss_sum"]) != pytest.approx(float(plain["loss_sum"]))
+    images = _batch()["image"]
+    tta = step.predict_logits(model, images, tta_flip=True)
+    tta_of_mirror = step.predict_logits(model, tf.reverse(images, axis=[2]), tta_flip=True)
+    plain = step.predict_logits(model, images)
+    np.testing.assert_allclose(tta, tta_of_mirror, rtol=1e-5, atol=1e-6)  # symmetric
+    assert not np.allclose(tta, plain)
+    np.testing.assert_allclose(
+        tta, (plain + step.predict_logits(model, tf.reverse(images, axis=[2]))) / 2,
+        rtol=1e-5, atol=1e-6)
+
+
+def test_step_options_take_every_same_named_config_field():
+    from trainer.config import Config
+    config = Config(batch_size=64, clip_grad_norm=2.0, grad_accum_steps=4,
+                    label_smoothing=0.1, tta_flip=True, aux_loss_weight=0.5)
+    options = step.StepOptions.from_config(config, confusion_classes=10)
+    assert options == step.StepOptions(batch_size=64, label_smoothing=0.1,
+                                       clip_grad_norm=2.0, grad_accum_steps=4,
+                                       aux_loss_weight=0.5, tta_flip=True,
+                                       confusion_classes=10)

@@ -40,6 +40,11 @@ def test_auto_jit_compiles_except_on_cpu(device, expected):
     assert strategy_lib.resolve_jit("false", device) is False
 
 
+def test_xla_on_several_cpu_replicas_is_a_clear_error():
+    with pytest.raises(strategy_lib.DeviceError, match="several CPU replicas"):
+        strategy_lib.resolve_jit("true", "cpu", num_replicas=2)
+
+
 def test_precision_auto_and_explicit():
     assert strategy_lib.resolve_precision("auto", "tpu") == "mixed_bfloat16"
     assert strategy_lib.resolve_precision("float32", "tpu") == "float32"

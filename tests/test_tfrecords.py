@@ -1,12 +1,16 @@
 """TFRecords: write -> read round trip, any image format, errors that name things."""
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from data import make_tfrecords, sources, tfrecords
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _image(shape, seed=0):
@@ -99,3 +103,39 @@ def test_tfrecord_dataset_needs_a_holdout_fraction(tmp_path):
         {"class_names": ["a", "b"], "holdout_fraction": 0}))
     with pytest.raises(sources.DatasetError, match="holdout_fraction must be in"):
         sources.get_spec(f"tfrecord:{tmp_path}/x*.tfrec")
+
+
+def _make_tfrecords(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.run([sys.executable, "-m", "data.make_tfrecords", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_writes_shards_and_dataset_json(photo_folder, tmp_path):
+    result = _make_tfrecords(f"--source={photo_folder}", f"--output={tmp_path}/out/pets",
+                             "--image_size=8", "--shards=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    meta = json.loads((tmp_path / "out" / "dataset.json").read_text())
+    assert meta["class_names"] == ["cats", "dogs"] and meta["image_size"] == 8
+    assert meta["files"] == 2 and f"wrote {meta['records']} records in 2 files" in result.stdout
+    spec = sources.get_spec(f"tfrecord:{tmp_path}/out/pets*.tfrec")
+    assert spec.image_shape == (8, 8, 3) and spec.num_classes == 2
+
+
+def test_cli_helpfull_lists_the_flags_with_their_defaults():
+    result = _make_tfrecords("--helpfull")
+    assert result.returncode == 1, result.stderr[-2000:]  # absl's status after help
+    assert "Traceback" not in result.stderr
+    for name in ("source", "output", "image_size", "shards", "data_dir"):
+        assert f"--{name}:" in result.stdout
+    assert "(default: '192')" in result.stdout and "(default: '16')" in result.stdout
+
+
+def test_cli_missing_folder_is_a_one_line_error_with_status_2(tmp_path):
+    result = _make_tfrecords(f"--source={tmp_path}/no_such_folder", f"--output={tmp_path}/x")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "no_such_folder" in errors[0]
+    assert result.stderr.strip().splitlines()[-1] == errors[0]
+    assert not os.listdir(tmp_path)  # nothing written

@@ -42,14 +42,14 @@ def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True) -
             json.dump(run_config, f, indent=2, sort_keys=True)
 
 
-def training_checkpoint(model, optimizer, step: tf.Variable) -> tf.train.Checkpoint:
-    """Everything needed to continue a run exactly: weights, optimizer state, the
-    step (which is also the data position, see data/pipeline.py) and the state of
-    the model's random-number generators (dropout), which Keras 3 keeps in
-    variables that a tf.train.Checkpoint of the model alone does not save."""
+def training_checkpoint(model, optimizer) -> tf.train.Checkpoint:
+    """Everything needed to continue a run exactly: weights, optimizer state with
+    `optimizer.iterations`, the run's one step counter (also the data position, see
+    data/pipeline.py), and the state of the model's random-number generators
+    (dropout), which Keras 3 keeps in variables that a tf.train.Checkpoint of the
+    model alone does not save."""
     rng_states = [v.value for v in model.variables if "seed_generator_state" in v.path]
-    return tf.train.Checkpoint(model=model, optimizer=optimizer, step=step,
-                               rng=rng_states)
+    return tf.train.Checkpoint(model=model, optimizer=optimizer, rng=rng_states)
 
 
 def make_manager(model_dir: str, checkpoint: tf.train.Checkpoint, keep: int,

@@ -1,74 +1,162 @@
-"""The one frozen config object a run is described by.
+"""The one frozen config object a run is described by, and its command-line flags.
 
-`trainer/main.py` builds it from absl flags; everything below it takes plain values
-read from this object (or plain arguments), never flags.
+Every field carries its flag's help text, and `define_flags` declares one absl flag
+per field, so a new setting is one field here (and its use where it matters, e.g.
+`trainer/step.py`). Commands parse the flags in their own `main` and call
+`from_flags(FLAGS)`; library code below takes this object or plain values.
 """
 import dataclasses
+import os
 from typing import Any
 
-from data import augment as augment_lib
-from trainer import optimizers, schedules
+from absl import flags
+
+from data import augment as augment_lib, sources
+import models
+from trainer import optimizers, recipes, schedules
 
 STRATEGIES = ("auto", "tpu", "mirrored", "multi_worker", "one_device")
 PRECISIONS = ("auto", "float32", "mixed_bfloat16", "mixed_float16")
 JIT_CHOICES = ("auto", "true", "false")
 ON_NAN = ("stop", "skip_step")
-OPTIMIZERS = optimizers.NAMES
-SCHEDULES = schedules.KINDS
 
 
 class ConfigError(ValueError):
-    """A bad setting; main prints its one-line message and exits with status 2."""
+    """A bad setting; commands print its one-line message and exit with status 2."""
+
+
+def _(default: Any, help: str) -> Any:  # noqa: A002 (absl's word for it)
+    """A Config field with its flag's help text."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def _choices(names) -> str:
+    return "|".join(names)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Everything that defines a run. Defaults are the seed's CIFAR-10 recipe."""
-    model: str = "cifar_cnn"
-    model_size: str = "full"            # "tiny" builds the small test variant
-    dataset: str = "cifar10"
-    image_size: int = 0                 # 0: the dataset's own size
-    weights: str = "none"               # none | imagenet (xception) | PATH
-    data_dir: str | None = None         # None: TFDS_DATA_DIR or the TFDS default
-    download_data: bool = False
-    model_dir: str = ""                 # "": runs/<model>_<dataset>
-    batch_size: int = 1024              # global, summed over all replicas
-    epochs: int = 50
-    train_steps: int = 0                # > 0 overrides epochs
-    optimizer: str = "adam"
-    learning_rate: float = 1e-3         # peak
-    momentum: float = 0.9               # sgd (Nesterov)
-    lr_schedule: str = "constant"
-    warmup_epochs: float = 0.0
-    lr_decay_rate: float = 0.8          # per epoch, for exponential and rampup
-    sustain_epochs: float = 0.0         # rampup: epochs at the peak after warmup
-    min_learning_rate: float = 0.0      # warmup start, and the floor of decays
-    weight_decay: float = 0.0           # decoupled; not applied to biases and norms
-    tpu: str | None = None
-    require_tpu: bool = False
-    strategy: str = "auto"
-    cpu_replicas: int = 1
-    jit_compile: str = "auto"
-    precision: str = "auto"
-    steps_per_loop: int = 10
-    log_every: int = 50
-    eval_every: int = 0                 # steps; 0 = at the end of every epoch
-    checkpoint_every: int = 0           # steps; 0 = at the end of every epoch
-    keep_checkpoints: int = 3
-    shuffle_buffer: int = 10_000
-    augment: str = ""                   # "": the dataset's default augmentation
-    deterministic: bool = False         # op determinism: bitwise reproducible on CPU
-    on_nan: str = "stop"                # stop | skip_step (a non-finite loss)
-    label_smoothing: float = 0.0
-    tta_flip: bool = False              # evaluate on each image and its mirror image
-    ema_decay: float = 0.0              # per-step weight averaging (0: off), see averaging.py
-    seed: int = 0
+    """Everything that defines a run. Defaults are the seed's CIFAR-10 recipe; each
+    model's recipe (trainer/recipes.py) overrides them, flags override both."""
+    # --- what to train, on what ---
+    model: str = _("cifar_cnn", f"Model: {_choices(models.names())}.")
+    model_size: str = _("full", "full|tiny (tiny: the small test variant).")
+    dataset: str = _("cifar10", f"Dataset: {_choices(sources.names())}, or "
+                     "tfrecord:PATTERN.")
+    image_size: int = _(0, "Train and evaluate at this square size (0: the dataset's own).")
+    weights: str = _("none", "Initial weights: none | imagenet (xception, downloads) | "
+                     "PATH (a .weights.h5 of the same model, or for xception Keras' "
+                     "notop backbone file).")
+    data_dir: str | None = _(None, "TFDS data dir; default: $TFDS_DATA_DIR, else the "
+                             "TFDS default.")
+    download_data: bool = _(False, "Let TFDS download and prepare a missing dataset "
+                            "(needs network).")
+    model_dir: str = _("", "Checkpoints, run_config.json, model.weights.h5, metrics.json "
+                       "(default: runs/<model>_<dataset>). A run on a directory with a "
+                       "checkpoint resumes from it.")
+    # --- optimization ---
+    batch_size: int = _(1024, "GLOBAL batch size, split evenly across all replicas.")
+    epochs: int = _(50, "Epochs to train (see --train_steps).")
+    train_steps: int = _(0, "If > 0: steps to train, overriding --epochs.")
+    optimizer: str = _("adam", f"{_choices(optimizers.NAMES)} (sgd uses Nesterov momentum).")
+    learning_rate: float = _(1e-3, "Peak learning rate.")
+    momentum: float = _(0.9, "Momentum for sgd.")
+    lr_schedule: str = _("constant", f"{_choices(schedules.KINDS)}, each after a linear "
+                         "warmup (rampup: the flowers codelab's ramp-up/sustain/decay).")
+    warmup_epochs: float = _(0.0, "Linear warmup from --min_learning_rate to the peak.")
+    lr_decay_rate: float = _(0.8, "Per-epoch factor of the exponential and rampup "
+                             "schedules.")
+    sustain_epochs: float = _(0.0, "rampup: epochs to hold the peak after warmup.")
+    min_learning_rate: float = _(0.0, "Warmup start and floor of the decaying schedules.")
+    weight_decay: float = _(0.0, "Decoupled weight decay (not applied to biases and "
+                            "norm layers).")
+    # --- the training step (read in trainer/step.py) ---
+    label_smoothing: float = _(0.0, "Mix the one-hot target with uniform by this "
+                               "weight (0: off).")
+    clip_grad_norm: float = _(0.0, "Clip the global norm of the gradient summed over "
+                              "all replicas to this value (0: off).")
+    grad_accum_steps: int = _(1, "Split each replica's batch into this many "
+                              "micro-batches and add their gradients: one update per "
+                              "step, less memory (the per-replica batch must divide).")
+    aux_loss_weight: float = _(0.3, "Weight of the loss on a model's `aux_logits` "
+                               "output, if it has one.")
+    mixup_alpha: float = _(0.0, "Mixup: blend pairs of training images and their "
+                           "targets with a Beta(alpha, alpha) weight (0: off).")
+    cutmix_alpha: float = _(0.0, "CutMix: paste a box of another training image, "
+                            "targets mixed by area, Beta(alpha, alpha) (0: off). With "
+                            "mixup too, each batch uses one of the two at random.")
+    tta_flip: bool = _(False, "Evaluate on each test image and its mirror image, "
+                       "averaging the logits.")
+    ema_decay: float = _(0.0, "Weight averaging: keep an exponential moving average of "
+                         "the weights with this per-step decay (e.g. 0.99), evaluate "
+                         "and save it; metrics also show the raw weights' accuracy (0: "
+                         "off).")
+    # --- devices ---
+    tpu: str | None = _(None, "TPU name, grpc:// address, or 'local' (TPU VM). If none "
+                        "is found the run falls back to GPU/CPU with a warning.")
+    require_tpu: bool = _(False, "Fail instead of falling back when no TPU is found.")
+    strategy: str = _("auto", f"{_choices(STRATEGIES)}; auto: a TPU if reachable, else "
+                      "all GPUs (Mirrored), else the CPU.")
+    cpu_replicas: int = _(1, "Split the host CPU into N logical devices and run N "
+                          "replicas with MirroredStrategy (debug distribution on a "
+                          "laptop).")
+    jit_compile: str = _("auto", "auto|true|false: XLA-compile the step. auto: on TPU "
+                         "and GPU, not on the CPU (measured 1.6-7x slower there).")
+    precision: str = _("auto", f"{_choices(PRECISIONS)}. auto: bf16 on TPU, bf16/fp16 on "
+                       "GPU by generation, bf16 on CPUs with native bf16, else float32.")
+    # --- the loop ---
+    steps_per_loop: int = _(10, "Steps per tf.function call (an in-graph loop).")
+    log_every: int = _(50, "Steps between log lines (0: per epoch).")
+    eval_every: int = _(0, "Steps between evaluations (0: at the end of every epoch).")
+    checkpoint_every: int = _(0, "Steps between checkpoints (0: every epoch's end).")
+    keep_checkpoints: int = _(3, "Checkpoints kept.")
+    shuffle_buffer: int = _(10_000, "Training shuffle: blocks of this many examples, "
+                            "visited in a random order, each permuted; the order depends "
+                            "only on --seed and the epoch (0: no shuffle).")
+    augment: str = _("", f"Training augmentation: "
+                     f"{_choices(augment_lib.TRAIN_AUGMENTATIONS)} (default: the "
+                     "dataset's own: pad_crop_flip for CIFAR, flip_saturation for "
+                     "flowers).")
+    deterministic: bool = _(False, "Deterministic ops: the same command gives bitwise "
+                            "the same weights on the same machine, also across a kill "
+                            "and resume (slower on GPU).")
+    on_nan: str = _("stop", "A step whose loss or summed gradient is not finite never "
+                    "updates the weights; then stop (an error naming the steps; "
+                    "checkpoints kept) or skip_step (count it and go on).")
+    seed: int = _(0, "Seed for weights, shuffling and augmentation.")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """One absl flag per Config field, its default and help from the field."""
+    definers = {str: flags.DEFINE_string, int: flags.DEFINE_integer,
+                float: flags.DEFINE_float, bool: flags.DEFINE_bool}
+    for field in dataclasses.fields(Config):
+        if field.name in flag_values:  # several commands share these flags
+            continue
+        kind = type(field.default) if field.default is not None else str
+        definers[kind](field.name, field.default, field.metadata["help"],
+                       flag_values=flag_values)
+
+
+def default_model_dir(model: str, dataset: str) -> str:
+    return os.path.join("runs", f"{model}_{dataset}")
+
+
+def from_flags(flag_values: flags.FlagValues) -> tuple[Config, dict[str, str]]:
+    """The Config of parsed flags: the model's recipe, then the flags given on the
+    command line over it. Returns (config, origin of each recipe value) unvalidated."""
+    values = {f.name: flag_values[f.name].value for f in dataclasses.fields(Config)}
+    explicit = {name for name in values if flag_values[name].present}
+    values, origin = recipes.resolve(values, explicit)
+    values["model_dir"] = values["model_dir"] or default_model_dir(values["model"],
+                                                                   values["dataset"])
+    return Config(**values), origin
 
 
 def _check_choice(name: str, value: str, valid) -> None:
@@ -84,13 +172,14 @@ def _check_positive(name: str, value: float, allow_zero: bool = False) -> None:
 
 
 def validate(config: Config, model_names, dataset_names) -> Config:
-    """Cheap checks done before any heavy work. Raises ConfigError."""
+    """Cheap checks done before any heavy work. Raises ConfigError. (That the batch
+    divides by the replicas is checked once the strategy exists: loop.Plan.)"""
     _check_choice("model", config.model, model_names)
     _check_choice("model_size", config.model_size, ("full", "tiny"))
     if not config.dataset.startswith("tfrecord:"):
         _check_choice("dataset", config.dataset, dataset_names)
-    _check_choice("optimizer", config.optimizer, OPTIMIZERS)
-    _check_choice("lr_schedule", config.lr_schedule, SCHEDULES)
+    _check_choice("optimizer", config.optimizer, optimizers.NAMES)
+    _check_choice("lr_schedule", config.lr_schedule, schedules.KINDS)
     _check_choice("precision", config.precision, PRECISIONS)
     _check_choice("strategy", config.strategy, STRATEGIES)
     _check_choice("jit_compile", config.jit_compile, JIT_CHOICES)
@@ -98,11 +187,12 @@ def validate(config: Config, model_names, dataset_names) -> Config:
     if config.augment:
         _check_choice("augment", config.augment, augment_lib.TRAIN_AUGMENTATIONS)
     for name in ("batch_size", "learning_rate", "steps_per_loop", "cpu_replicas",
-                 "keep_checkpoints"):
+                 "keep_checkpoints", "grad_accum_steps"):
         _check_positive(name, getattr(config, name))
     for name in ("epochs", "train_steps", "warmup_epochs", "weight_decay",
                  "sustain_epochs", "min_learning_rate", "log_every", "eval_every",
-                 "checkpoint_every", "shuffle_buffer", "image_size"):
+                 "checkpoint_every", "shuffle_buffer", "image_size", "clip_grad_norm",
+                 "aux_loss_weight", "mixup_alpha", "cutmix_alpha"):
         _check_positive(name, getattr(config, name), allow_zero=True)
     if config.epochs == 0 and config.train_steps == 0:
         raise ConfigError("nothing to train: set --epochs or --train_steps above 0")
@@ -114,10 +204,6 @@ def validate(config: Config, model_names, dataset_names) -> Config:
                           f"{config.ema_decay}")
     if not 0 < config.lr_decay_rate <= 1:
         raise ConfigError(f"--lr_decay_rate must be in (0, 1], got {config.lr_decay_rate}")
-    if config.batch_size % config.cpu_replicas:
-        raise ConfigError(
-            f"--batch_size={config.batch_size} does not divide by "
-            f"--cpu_replicas={config.cpu_replicas}; use a multiple of it")
     if config.require_tpu and config.strategy not in ("auto", "tpu"):
         raise ConfigError(f"--require_tpu conflicts with --strategy={config.strategy}")
     return config

@@ -1,77 +1,74 @@
-"""The distribution wrapper: run the per-replica steps on every replica, N at a time.
+"""The distribution wrapper: run a per-replica step on every replica, N steps per call.
 
-One `tf.function` call runs up to `num_steps` steps in an in-graph loop (fewer
-Python round trips; on a TPU, one host call per loop instead of per step).
-`num_steps` is a tensor, so a shorter last loop does not retrace.
+It runs whatever per-replica function it is given (`fn(batch) -> {name: (total,
+weight)}`, see trainer/step.py) and knows nothing of what the step computes. One
+`tf.function` call runs `num_steps` steps in an in-graph loop (fewer Python round
+trips; on a TPU one host call per loop); `num_steps` is a tensor, so a shorter last
+loop does not retrace.
 """
 from typing import Callable
 
+import numpy as np
 import tensorflow as tf
 
-from trainer import step
-
-Sums = dict[str, tf.Tensor]
 SUM = tf.distribute.ReduceOp.SUM
+Sums = dict[str, tuple[tf.Tensor, tf.Tensor]]
 
 
-def _make_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
-               shapes: dict[str, tuple], jit_compile: bool, training: str = "") -> Callable:
-    """shapes: the shape of each sum replica_fn returns (() for scalars).
-    training: "" (evaluation), "skip_step" or "stop_on_nonfinite" (return right
-    after a non-finite loss). Training loops also sum the stop-request flag across
-    workers; evaluation needs neither."""
-    if jit_compile:  # XLA-compile the replica's step, as Keras' own fit() does
-        replica_fn = tf.function(replica_fn, jit_compile=True)
+def _run_steps(strategy: tf.distribute.Strategy, replica_fn: Callable, iterator,
+               num_steps: tf.Tensor) -> Sums:
+    """`num_steps` steps; every (total, weight) summed over replicas and steps."""
+    def one_step():
+        per_replica = strategy.run(replica_fn, args=(next(iterator),))
+        # SUM over replicas: each returned totals over its own share of the batch.
+        return tf.nest.map_structure(lambda t: strategy.reduce(SUM, t, axis=None),
+                                     per_replica)
+
+    totals = one_step()  # the first step fixes the structure the step returns
+    for _ in tf.range(num_steps - 1):
+        totals = tf.nest.map_structure(tf.add, totals, one_step())
+    return totals
+
+
+def _maybe_jit(replica_fn: Callable, jit_compile: bool) -> Callable:
+    # XLA-compile the replica's step, as Keras' own fit() does. (On a TPU the whole
+    # loop is compiled anyway: callers pass False there.)
+    return tf.function(replica_fn, jit_compile=True) if jit_compile else replica_fn
+
+
+def make_train_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
+                    jit_compile: bool = False) -> Callable:
+    """Returns train_loop(iterator, num_steps, stop_flag) -> (sums, stop_requested).
+
+    stop_flag (a float tensor, 1.0 after SIGTERM on this worker) is summed across
+    workers, so a stop request on any worker reaches every worker and all of them
+    stop at the same step (a worker stopping alone would hang the others).
+    """
+    replica_fn = _maybe_jit(replica_fn, jit_compile)
 
     @tf.function
-    def loop(iterator, num_steps: tf.Tensor, stop_flag: tf.Tensor = 0.0) -> Sums:
-        totals = {key: tf.zeros(shape) for key, shape in shapes.items()}
-        steps_run = tf.constant(0)
-        for _ in tf.range(num_steps):
-            per_replica = strategy.run(replica_fn, args=next(iterator))
-            # SUM, not MEAN: every replica returned sums over its own examples.
-            totals = {key: totals[key] + strategy.reduce(SUM, per_replica[key], axis=None)
-                      for key in shapes}
-            steps_run += 1
-            # Every worker sees the same reduced loss, so all of them stop together.
-            if training == "stop_on_nonfinite" and not tf.math.is_finite(
-                    totals["loss_sum"]):
-                break
-        if not training:
-            return {**totals, "steps": steps_run}
-        # A stop request (SIGTERM) on any worker reaches every worker via this sum.
+    def train_loop(iterator, num_steps: tf.Tensor, stop_flag: tf.Tensor):
+        sums = _run_steps(strategy, replica_fn, iterator, num_steps)
         stop = strategy.reduce(SUM, strategy.run(lambda: tf.identity(stop_flag)),
                                axis=None)
-        return {**totals, "steps": steps_run, "stop_requested": stop}
+        return sums, stop
 
-    return loop
-
-
-def make_train_loop(strategy: tf.distribute.Strategy, model, optimizer,
-                    global_batch_size: int, jit_compile: bool,
-                    on_nan: str = "stop", label_smoothing: float = 0.0) -> Callable:
-    """Returns train_loop(iterator, num_steps) -> metric sums and `steps` run.
-
-    on_nan="stop": the loop returns right after a step with a non-finite loss (its
-    update was applied; the caller keeps the last checkpoint). "skip_step": such a
-    step's update is dropped on every replica and counted in `skipped`.
-    """
-    skip = on_nan == "skip_step"
-
-    def replica_fn(images, labels):
-        return step.train_step(model, optimizer, images, labels, global_batch_size,
-                               skip_nonfinite=skip, label_smoothing=label_smoothing)
-    return _make_loop(strategy, replica_fn, dict.fromkeys(step.TRAIN_KEYS, ()), jit_compile,
-                      training="skip_step" if skip else "stop_on_nonfinite")
+    return train_loop
 
 
-def make_eval_loop(strategy: tf.distribute.Strategy, model, jit_compile: bool,
-                   tta_flip: bool = False, confusion_classes: int = 0) -> Callable:
-    """Returns eval_loop(iterator, num_steps) -> masked metric sums (and the summed
-    `confusion` matrix if confusion_classes > 0)."""
-    def replica_fn(images, labels, mask):
-        return step.eval_step(model, images, labels, mask, tta_flip, confusion_classes)
-    shapes = dict.fromkeys(step.METRIC_KEYS, ())
-    if confusion_classes:
-        shapes["confusion"] = (confusion_classes, confusion_classes)
-    return _make_loop(strategy, replica_fn, shapes, jit_compile)
+def make_eval_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
+                   jit_compile: bool = False) -> Callable:
+    """Returns eval_loop(iterator, num_steps) -> sums."""
+    replica_fn = _maybe_jit(replica_fn, jit_compile)
+
+    @tf.function
+    def eval_loop(iterator, num_steps: tf.Tensor) -> Sums:
+        return _run_steps(strategy, replica_fn, iterator, num_steps)
+
+    return eval_loop
+
+
+def means(sums: Sums) -> dict[str, float]:
+    """total / weight of every scalar metric (0 where nothing was counted)."""
+    return {key: float(total) / float(weight) if float(weight) else 0.0
+            for key, (total, weight) in sums.items() if np.size(total) == 1}

@@ -5,7 +5,8 @@ import numpy as np
 import tensorflow as tf
 
 from data import sources
-from trainer import inference
+from trainer import distributed
+from trainer.serving import inference
 
 NUM_SAMPLES = 20           # test images in the prediction grids
 MAX_CONFUSION_CLASSES = 100  # beyond this a confusion picture is unreadable anyway
@@ -37,15 +38,15 @@ def predict_samples(model, samples: dict, spec: sources.DatasetSpec,
 def evaluate(eval_loop, eval_dataset, eval_steps: int, model=None,
              samples: dict | None = None, spec: sources.DatasetSpec | None = None,
              tta_flip: bool = False) -> dict:
-    """test_loss / test_accuracy / test_examples, plus `confusion` (counts, rows =
-    true class) if the loop makes one, and `samples` with predictions if given."""
-    sums = eval_loop(iter(eval_dataset), tf.constant(eval_steps))
-    count = float(sums["count"])
-    result = {"test_loss": float(sums["loss_sum"]) / count,
-              "test_accuracy": float(sums["correct"]) / count,
-              "test_examples": int(round(count))}
+    """`test_<name>` for every scalar metric of the eval step, `test_examples`,
+    `confusion` (counts, rows = true class) if the step makes one, and `samples`
+    with predictions if given."""
+    sums = tf.nest.map_structure(lambda t: t.numpy(), eval_loop(iter(eval_dataset),
+                                                                tf.constant(eval_steps)))
+    result = {f"test_{key}": value for key, value in distributed.means(sums).items()}
+    result["test_examples"] = int(round(float(sums["loss"][1])))
     if "confusion" in sums:
-        result["confusion"] = np.rint(sums["confusion"].numpy()).astype(np.int64)
+        result["confusion"] = np.rint(sums["confusion"][0]).astype(np.int64)
     if samples is not None:
         result["samples"] = predict_samples(model, samples, spec, tta_flip)
     return result

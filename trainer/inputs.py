@@ -25,32 +25,30 @@ def train_input_fn(config: Config, spec: sources.DatasetSpec, train_examples: in
                    start_step: int = 0):
     """The training input for `distribute_datasets_from_function`: each input
     worker's pipeline, resuming at `start_step` (the data position is the step)."""
-    normalize = augment.make_normalize(spec.mean, spec.std)
     train_augment = augment.TRAIN_AUGMENTATIONS[config.augment or spec.augment]
 
     def train_fn(context):
         ds, _ = sources.load(spec, spec.train_split, config.data_dir, config.download_data,
                              context=context)  # this worker's shard
         return pipeline.make_train(ds, context, config.batch_size, train_augment,
-                                   normalize, config.shuffle_buffer, seed=config.seed,
+                                   augment.make_normalize(spec.mean, spec.std),
+                                   config.shuffle_buffer, seed=config.seed,
                                    prepare=_prepare(config, spec),
                                    num_examples=train_examples, shard=False,
-                                   start_step=start_step)
+                                   start_step=start_step,
+                                   mix=augment.make_mix(spec.num_classes, config.mixup_alpha,
+                                                        config.cutmix_alpha))
     return train_fn
 
 
-def distributed_datasets(config: Config, spec: sources.DatasetSpec,
-                          strategy: tf.distribute.Strategy, plan, start_step: int):
-    normalize = augment.make_normalize(spec.mean, spec.std)
-
+def eval_input_fn(config: Config, spec: sources.DatasetSpec):
+    """The evaluation input: every example once, padded to full batches (mask 0)."""
     def eval_fn(context):
         ds, n = sources.load(spec, spec.eval_split, config.data_dir, config.download_data)
-        return pipeline.make_eval(ds, n, context, config.batch_size, normalize,
+        return pipeline.make_eval(ds, n, context, config.batch_size,
+                                  augment.make_normalize(spec.mean, spec.std),
                                   prepare=_prepare(config, spec))
-
-    return (strategy.distribute_datasets_from_function(
-                train_input_fn(config, spec, plan.train_examples, start_step)),
-            strategy.distribute_datasets_from_function(eval_fn))
+    return eval_fn
 
 
 @contextlib.contextmanager

@@ -1,10 +1,10 @@
-"""The outer loop: build everything under the strategy, then train, evaluate,
-checkpoint and report. The math of one step is in trainer/step.py; running it on
+"""The outer loop, one function read top to bottom: devices, data, model and
+optimizer under the strategy, restore, then train / log / evaluate / checkpoint,
+then the final outputs. The math of one step is trainer/step.py; running it on
 every replica is trainer/distributed.py.
 """
 import contextlib
 import dataclasses
-import math
 import os
 import sys
 from typing import IO
@@ -15,11 +15,13 @@ import tensorflow as tf
 
 from data import pipeline, sources
 import models
-from trainer import averaging, checkpoints, distributed, evaluation, faults, inference
-from trainer import figures, inputs
-from trainer import optimizers, progress_bar, recorder as recorder_lib, reporting, schedules
+from trainer import averaging, checkpoints, distributed, evaluation, faults, inputs
+from trainer import optimizers, schedules, step
 from trainer import strategy as strategy_lib
 from trainer.config import Config, ConfigError
+from trainer.output import figures, progress_bar, recorder as recorder_lib
+from trainer.output import progress as progress_lib
+from trainer.serving import inference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,20 +37,26 @@ class Plan:
     @classmethod
     def make(cls, config: Config, train_examples: int, eval_examples: int,
              num_replicas: int) -> "Plan":
+        # The one place the batch is checked against the replicas.
         if config.batch_size % num_replicas:
             raise ConfigError(f"--batch_size={config.batch_size} does not divide by the "
                               f"{num_replicas} replicas; use a multiple of {num_replicas}")
+        per_replica = config.batch_size // num_replicas
+        if per_replica % config.grad_accum_steps:
+            raise ConfigError(f"the per-replica batch {per_replica} does not divide into "
+                              f"--grad_accum_steps={config.grad_accum_steps} micro-batches; "
+                              f"use a batch size that is a multiple of "
+                              f"{num_replicas * config.grad_accum_steps}")
         steps_per_epoch = train_examples // config.batch_size
         if steps_per_epoch == 0:
             raise ConfigError(f"--batch_size={config.batch_size} is larger than the "
                               f"{train_examples} training examples; lower it")
         total = config.train_steps or config.epochs * steps_per_epoch
         return cls(train_examples, eval_examples, steps_per_epoch, total,
-                   pipeline.eval_steps(eval_examples, config.batch_size),
-                   config.batch_size // num_replicas)
+                   pipeline.eval_steps(eval_examples, config.batch_size), per_replica)
 
 
-def _schedule(config: Config, plan: Plan) -> schedules.WarmupSchedule:
+def make_schedule(config: Config, plan: Plan) -> schedules.WarmupSchedule:
     return schedules.WarmupSchedule(
         config.lr_schedule, config.learning_rate, plan.total_steps, plan.steps_per_epoch,
         warmup_steps=round(config.warmup_epochs * plan.steps_per_epoch),
@@ -57,14 +65,18 @@ def _schedule(config: Config, plan: Plan) -> schedules.WarmupSchedule:
         floor=config.min_learning_rate)
 
 
+def counts(config: Config, spec: sources.DatasetSpec) -> tuple[int, int]:
+    """(training examples, evaluation examples)."""
+    return tuple(sources.load(spec, split, config.data_dir, config.download_data)[1]
+                 for split in (spec.train_split, spec.eval_split))
+
+
 def plot_schedule(config: Config) -> str:
     """Writes the run's learning-rate schedule to model_dir/lr_schedule.png (the
     data is only counted, nothing is trained); returns the path."""
-    spec = sources.get_spec(config.dataset)
-    counts = [sources.load(spec, split, config.data_dir, config.download_data)[1]
-              for split in (spec.train_split, spec.eval_split)]
-    plan = Plan.make(config, *counts, num_replicas=config.cpu_replicas)
-    schedule = _schedule(config, plan)
+    plan = Plan.make(config, *counts(config, sources.get_spec(config.dataset)),
+                     num_replicas=config.cpu_replicas)
+    schedule = make_schedule(config, plan)
     os.makedirs(config.model_dir, exist_ok=True)
     path = os.path.join(config.model_dir, "lr_schedule.png")
     with open(path, "wb") as f:
@@ -74,21 +86,6 @@ def plot_schedule(config: Config) -> str:
             f"{plan.total_steps} steps")))
     logging.info("LR schedule %s: %s", config.lr_schedule, schedules.describe(schedule))
     return path
-
-
-def _build_state(config: Config, spec: sources.DatasetSpec, plan: Plan, precision: str):
-    """Model, schedule, optimizer (built) and step counter; call inside the scope."""
-    try:
-        model = models.build(config.model, spec.num_classes, inputs.image_shape(config, spec),
-                             tiny=config.model_size == "tiny", weights=config.weights)
-    except ValueError as err:  # bad weights file, image too small for the model, ...
-        raise ConfigError(str(err)) from err
-    schedule = _schedule(config, plan)
-    optimizer = optimizers.create(config.optimizer, schedule, model.trainable_variables,
-                                  config.weight_decay, config.momentum, precision,
-                                  config.ema_decay)
-    step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-    return model, schedule, optimizer, step
 
 
 def _next_stop(step: int, total: int, steps_per_loop: int, *intervals: int) -> int:
@@ -101,198 +98,181 @@ def _next_stop(step: int, total: int, steps_per_loop: int, *intervals: int) -> i
 def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     """Trains `config` in config.model_dir (resuming if a checkpoint is there),
     evaluates, saves `model.weights.h5`, `metrics.json`, `summary.png` and
-    TensorBoard summaries; returns the metrics. display: where the live progress bar
-    goes if it is a terminal (default stderr; otherwise plain log lines)."""
-    runtime, precision, jit, is_chief, task_id = _set_up(config)
-    strategy = runtime.strategy
-    spec = sources.get_spec(config.dataset)
-    if is_chief:  # so that predict and export work without the data files
-        inference.keep_dataset_description(config.dataset, config.model_dir)
-    _, train_examples = sources.load(spec, spec.train_split, config.data_dir,
-                                     config.download_data)
-    _, eval_examples = sources.load(spec, spec.eval_split, config.data_dir,
-                                    config.download_data)
-    plan = Plan.make(config, train_examples, eval_examples, runtime.num_replicas)
-    with strategy.scope():
-        model, schedule, optimizer, step_var = _build_state(config, spec, plan, precision)
-        checkpoint = checkpoints.training_checkpoint(model, optimizer, step_var)
-    reporting.log_setup(config, spec, runtime, plan, precision, jit, schedule, model)
-    restored = checkpoints.restore_latest(checkpoint, config.model_dir)
-    start_step = int(step_var.numpy())
-    if restored:
-        logging.info("Resumed from %s at step %d", restored, start_step)
-    manager = checkpoints.make_manager(config.model_dir, checkpoint,
-                                       config.keep_checkpoints, is_chief, task_id)
-    with inputs.data_errors_explained(spec):  # the training cache is filled here
-        train_dataset, eval_dataset = inputs.distributed_datasets(
-            config, spec, strategy, plan, start_step)
-    # On a TPU every step is XLA-compiled anyway; an inner jit_compile is redundant.
-    wrap_jit = jit and runtime.device_kind != "tpu"
-    train_loop = distributed.make_train_loop(strategy, model, optimizer,
-                                             config.batch_size, wrap_jit, config.on_nan,
-                                             config.label_smoothing)
-    evaluate = _evaluator(config, spec, strategy, model, optimizer, eval_dataset,
-                          plan.eval_steps, wrap_jit, is_chief)
-    display = display or sys.stderr
-    bars = (progress_bar.EpochBars(plan.total_steps, plan.steps_per_epoch, display)
-            if is_chief and progress_bar.is_live_terminal(display) else None)
-    run = _Run(config, plan, step_var, manager, optimizer, schedule,
-               reporting.Progress(plan.total_steps, plan.steps_per_epoch,
-                                  config.batch_size, start_step, bars),
-               recorder_lib.Recorder(config.model_dir, is_chief, start_step,
-                                     spec.class_names, f"{config.model} on {config.dataset}"),
-               strategy_lib.is_multi_worker(strategy))
-    with inputs.data_errors_explained(spec), faults.SigtermWatcher() as sigterm, (
-            bars.above_the_bar() if bars else contextlib.nullcontext()):
-        step = _train(run, iter(train_dataset), train_loop, evaluate, sigterm)
-    with averaging.averaged_weights(optimizer):  # save (and checksum) what was evaluated
-        metrics = _finish(run, model, step, dict(runtime=runtime, precision=precision,
-                                                 jit=jit, is_chief=is_chief))
-    if run.multi_worker:  # leave together: the chief hosts the coordination
-        strategy.reduce(tf.distribute.ReduceOp.SUM,  # service the others still use
-                        strategy.run(lambda: tf.constant(1.0)), axis=None)
-    return metrics
-
-
-def _set_up(config: Config):
-    """The strategy and the settings that follow from the device; model_dir checked;
-    precision policy, seeds and determinism set. Returns (runtime, precision, jit,
-    is_chief, task_id)."""
+    TensorBoard summaries; returns the final metrics. display: where the live
+    progress bar goes if it is a terminal (default stderr; else plain log lines)."""
+    # --- Devices, precision, seeds --------------------------------------------------
     runtime = strategy_lib.create(config.strategy, config.tpu, config.require_tpu,
                                   config.cpu_replicas)
+    strategy = runtime.strategy
     precision = strategy_lib.resolve_precision(config.precision, runtime.device_kind,
                                                config.deterministic)
-    jit = strategy_lib.resolve_jit(config.jit_compile, runtime.device_kind)
-    is_chief, task_id = strategy_lib.worker_role(runtime.strategy)
+    jit = strategy_lib.resolve_jit(config.jit_compile, runtime.device_kind,
+                                 runtime.num_replicas)
+    is_chief, task_id = strategy_lib.worker_role(strategy)
     checkpoints.prepare_model_dir(config.model_dir, config.as_dict(), is_chief)
     keras.mixed_precision.set_global_policy(precision)
     keras.utils.set_random_seed(config.seed)
     if config.deterministic:
         tf.config.experimental.enable_op_determinism()
-    return runtime, precision, jit, is_chief, task_id
 
+    # --- How much data, how many steps ----------------------------------------------
+    spec = sources.get_spec(config.dataset)
+    if is_chief:  # so that predict and export work without the data files
+        inference.keep_dataset_description(config.dataset, config.model_dir)
+    plan = Plan.make(config, *counts(config, spec), runtime.num_replicas)
 
-def _evaluator(config: Config, spec: sources.DatasetSpec, strategy, model, optimizer,
-               eval_dataset, eval_steps: int, jit: bool, is_chief: bool):
-    """evaluate() -> the metrics, confusion matrix and (on the chief, which draws
-    the pictures) sample predictions of the evaluated weights (the average with
-    --ema_decay, and the raw ones' accuracy too)."""
-    samples = None
-    if is_chief:
-        with inputs.data_errors_explained(spec):
-            samples = evaluation.load_samples(spec, inputs.image_shape(config, spec)[0],
-                                              config.data_dir, config.download_data)
-    classes = spec.num_classes
+    # --- Model, optimizer and checkpoint, created under the strategy ---------------
+    with strategy.scope():
+        try:
+            model = models.build(config.model, spec.num_classes,
+                                 inputs.image_shape(config, spec),
+                                 tiny=config.model_size == "tiny", weights=config.weights)
+        except ValueError as err:  # bad weights file, image too small for the model
+            raise ConfigError(str(err)) from err
+        schedule = make_schedule(config, plan)  # a function of optimizer.iterations
+        optimizer = optimizers.create(config.optimizer, schedule, model.trainable_variables,
+                                      config.weight_decay, config.momentum, precision,
+                                      config.ema_decay)
+        checkpoint = checkpoints.training_checkpoint(model, optimizer)
+    step_options = step.StepOptions.from_config(
+        config, confusion_classes=(spec.num_classes if spec.num_classes <=
+                                   evaluation.MAX_CONFUSION_CLASSES else 0))
+    progress_lib.log_setup(config, spec, runtime, plan, precision, jit, schedule, model,
+                           step_options)
+    restored = checkpoints.restore_latest(checkpoint, config.model_dir)
+    # optimizer.iterations is the one step counter: schedule, data position, logs.
+    start_step = int(optimizer.iterations.numpy())
+    if restored:
+        logging.info("Resumed from %s at step %d", restored, start_step)
+    manager = checkpoints.make_manager(config.model_dir, checkpoint,
+                                       config.keep_checkpoints, is_chief, task_id)
+
+    # --- Input pipelines: the stream resumes at the step ----------------------------
+    with inputs.data_errors_explained(spec):  # the training cache is filled here
+        train_dataset = strategy.distribute_datasets_from_function(
+            inputs.train_input_fn(config, spec, plan.train_examples, start_step))
+        eval_dataset = strategy.distribute_datasets_from_function(
+            inputs.eval_input_fn(config, spec))
+        samples = (evaluation.load_samples(spec, inputs.image_shape(config, spec)[0],
+                                           config.data_dir, config.download_data)
+                   if is_chief else None)  # only the chief draws pictures
+
+    # --- The step on every replica ---------------------------------------------------
+    wrap_jit = jit and runtime.device_kind != "tpu"  # a TPU compiles the whole loop
+    train_loop = distributed.make_train_loop(
+        strategy, lambda batch: step.train_step(model, optimizer, batch, step_options),
+        wrap_jit)
     eval_loop = distributed.make_eval_loop(
-        strategy, model, jit, config.tta_flip,
-        confusion_classes=classes if classes <= evaluation.MAX_CONFUSION_CLASSES else 0)
-    return lambda: averaging.evaluate_raw_and_averaged(
-        lambda: evaluation.evaluate(eval_loop, eval_dataset, eval_steps, model, samples,
-                                    spec, config.tta_flip), optimizer)
+        strategy, lambda batch: step.eval_step(model, batch, step_options), wrap_jit)
 
+    def evaluate() -> dict:
+        """The evaluated weights' metrics (the average with --ema_decay, and then
+        the raw weights' accuracy too)."""
+        return averaging.evaluate_raw_and_averaged(
+            lambda: evaluation.evaluate(eval_loop, eval_dataset, plan.eval_steps, model,
+                                        samples, spec, config.tta_flip), optimizer)
 
-@dataclasses.dataclass(frozen=True)
-class _Run:
-    """The state the outer loop drives."""
-    config: Config
-    plan: Plan
-    step_var: tf.Variable
-    manager: tf.train.CheckpointManager
-    optimizer: keras.optimizers.Optimizer
-    schedule: schedules.WarmupSchedule
-    progress: reporting.Progress
-    recorder: recorder_lib.Recorder
-    multi_worker: bool
+    # --- What people see --------------------------------------------------------------
+    display = display or sys.stderr
+    bars = (progress_bar.EpochBars(plan.total_steps, plan.steps_per_epoch, display)
+            if is_chief and progress_bar.is_live_terminal(display) else None)
+    progress = progress_lib.Progress(plan.total_steps, plan.steps_per_epoch,
+                                     config.batch_size, start_step, bars)
+    recorder = recorder_lib.Recorder(config.model_dir, is_chief, start_step,
+                                     spec.class_names, f"{config.model} on {config.dataset}")
+    wall = progress_lib.Stopwatch()
+    multi_worker = strategy_lib.is_multi_worker(strategy)
 
+    def record_evaluation(at_step: int) -> None:
+        result = evaluate()
+        raw = (f"  (raw weights: {result['test_accuracy_raw']:.4f})"
+               if "test_accuracy_raw" in result else "")
+        logging.info("eval at step %d (epoch %.2f): test loss %.4f  test accuracy %.4f%s"
+                     "  (%d examples)", at_step, at_step / plan.steps_per_epoch,
+                     result["test_loss"], result["test_accuracy"], raw,
+                     result["test_examples"])
+        recorder.eval({"step": at_step, "epoch": at_step / plan.steps_per_epoch,
+                       "wall_seconds": wall.elapsed(),
+                       "train_seconds": progress.train_seconds, **result})
 
-def _train(run: _Run, train_iterator, train_loop, evaluate, sigterm) -> int:
-    """Train to plan.total_steps; log, evaluate and checkpoint on the way. Returns
-    the last step."""
-    config, plan, progress = run.config, run.plan, run.progress
-    step = int(run.step_var.numpy())
+    # --- Train: in-graph loops of up to steps_per_loop steps --------------------------
     every = {"eval": config.eval_every or plan.steps_per_epoch,
              "checkpoint": config.checkpoint_every or plan.steps_per_epoch,
              "log": config.log_every or plan.steps_per_epoch}
-    wall, evaluated = reporting.Stopwatch(), False
-    due = lambda name: step % every[name] == 0 or step == plan.total_steps  # noqa: E731
-    while step < plan.total_steps:
-        # Also back in Python at every epoch's end: the progress bar starts anew there.
-        stop = _next_stop(step, plan.total_steps, config.steps_per_loop,
-                          plan.steps_per_epoch, *every.values())
-        with reporting.Stopwatch() as watch:
-            sums = {k: float(v) for k, v in train_loop(
-                train_iterator, tf.constant(stop - step),
-                tf.constant(float(sigterm.requested))).items()}
-        if not math.isfinite(sums["loss_sum"]):
-            raise faults.TrainingDivergedError(
-                f"non-finite loss at step {step + int(sums['steps'])}; stopped without "
-                f"saving it: the last good checkpoint in {config.model_dir} is kept "
-                f"(lower the learning rate, or pass --on_nan=skip_step)")
-        progress.add(sums, stop - step, watch.seconds)
-        step = stop
-        run.step_var.assign(step)
-        learning_rate = float(run.schedule(run.optimizer.iterations))
-        progress.show(step, learning_rate)
-        # One worker alone cannot stop: in multi-worker runs, wait for the summed flag.
-        if sums["stop_requested"] > 0 or (sigterm.requested and not run.multi_worker):
-            run.manager.save(checkpoint_number=step)
-            run.recorder.save()
-            raise faults.Preempted(f"preempted (SIGTERM): saved a checkpoint at step "
-                                   f"{step} in {config.model_dir}; run the same command "
-                                   f"to resume")
-        if due("log"):
-            run.recorder.train(progress.log(step, learning_rate))
-        if due("eval"):
-            _evaluate(run, evaluate, step, wall)
-            evaluated = step == plan.total_steps
-        if due("checkpoint"):
-            run.manager.save(checkpoint_number=step)
-            run.recorder.save()
-    if not evaluated:  # e.g. resumed after the last step: the pictures need one
-        _evaluate(run, evaluate, step, wall)
-    return step
+    current, evaluated = start_step, False
+    with inputs.data_errors_explained(spec), faults.SigtermWatcher() as sigterm, (
+            bars.above_the_bar() if bars else contextlib.nullcontext()):
+        train_iterator = iter(train_dataset)
+        while current < plan.total_steps:
+            # Back in Python at every epoch's end too: the progress bar starts anew.
+            stop = _next_stop(current, plan.total_steps, config.steps_per_loop,
+                              plan.steps_per_epoch, *every.values())
+            with progress_lib.Stopwatch() as watch:
+                sums, stop_requested = train_loop(train_iterator,
+                                                  tf.constant(stop - current),
+                                                  tf.constant(float(sigterm.requested)))
+                sums = tf.nest.map_structure(lambda t: t.numpy(), sums)  # waits
+            skipped = progress.add(sums, stop - current, watch.seconds)
+            if skipped and config.on_nan == "stop":
+                raise faults.TrainingDivergedError(
+                    f"non-finite loss or gradient at {skipped} step(s) in steps "
+                    f"{current + 1}-{stop} (those updates were not applied); stopped "
+                    f"without saving: the last good checkpoint in {config.model_dir} is "
+                    f"kept (lower the learning rate, or pass --on_nan=skip_step)")
+            current = stop
+            if current != int(optimizer.iterations.numpy()):
+                raise RuntimeError(f"the train step must advance optimizer.iterations "
+                                   f"once per step (at step {current} it is "
+                                   f"{int(optimizer.iterations.numpy())})")
+            learning_rate = float(schedule(current))  # that of the next step
+            progress.show(current, learning_rate)
+            # One worker alone cannot stop: in multi-worker runs, wait for the sum.
+            if float(stop_requested) > 0 or (sigterm.requested and not multi_worker):
+                manager.save(checkpoint_number=current)
+                recorder.save()
+                raise faults.Preempted(f"preempted (SIGTERM): saved a checkpoint at step "
+                                       f"{current} in {config.model_dir}; run the same "
+                                       f"command to resume")
+            due = lambda name: (current % every[name] == 0  # noqa: E731
+                                or current == plan.total_steps)
+            if due("log"):
+                recorder.train(progress.log(current, learning_rate))
+            if due("eval"):
+                record_evaluation(current)
+                evaluated = current == plan.total_steps
+            if due("checkpoint"):
+                manager.save(checkpoint_number=current)
+                recorder.save()
+        if not evaluated:  # e.g. resumed after the last step: the pictures need one
+            record_evaluation(current)
 
-
-def _evaluate(run: _Run, evaluate, step: int, wall: reporting.Stopwatch) -> None:
-    result = evaluate()
-    raw = (f"  (raw weights: {result['test_accuracy_raw']:.4f})"
-           if "test_accuracy_raw" in result else "")
-    logging.info("eval at step %d (epoch %.2f): test loss %.4f  test accuracy %.4f%s  "
-                 "(%d examples)", step, step / run.plan.steps_per_epoch,
-                 result["test_loss"], result["test_accuracy"], raw,
-                 result["test_examples"])
-    run.recorder.eval({"step": step, "epoch": step / run.plan.steps_per_epoch,
-                       "wall_seconds": wall.elapsed(),
-                       "train_seconds": run.progress.train_seconds, **result})
-
-
-def _finish(run: _Run, model, step: int, context: dict) -> dict:
-    """Write the weights, metrics.json and summary.png (chief only); return the
-    metrics."""
-    config, plan, runtime = run.config, run.plan, context["runtime"]
-    progress, history = run.progress, run.recorder.eval_history
-    last_train = run.recorder.train_history[-1] if run.recorder.train_history else {}
-    metrics = {
-        **history[-1],
-        "best_test_accuracy": max(e["test_accuracy"] for e in history),
-        **{k: last_train[k] for k in ("train_loss", "train_accuracy") if k in last_train},
-        "train_seconds": history[-1]["train_seconds"],
-        "images_per_second": progress.images_per_second(step),
-        "steps": step, "epochs": step / plan.steps_per_epoch,
-        "resumed_from_step": progress.start_step,
-        "skipped_steps": progress.skipped_steps,
-        "weights_sha256": reporting.weights_checksum(model),
-        "model": config.model, "dataset": config.dataset,
-        "strategy": type(runtime.strategy).__name__, "replicas": runtime.num_replicas,
-        "device": runtime.device_kind, "precision": context["precision"],
-        "jit_compile": context["jit"], "global_batch_size": config.batch_size,
-        "per_replica_batch_size": plan.per_replica_batch,
-    }
-    if context["is_chief"]:
-        model.save_weights(os.path.join(config.model_dir, inference.WEIGHTS_FILE))
-    metrics = run.recorder.finish(metrics, schedules.sample_points(run.schedule, 200),
-                                  plan.steps_per_epoch)
+    # --- Final outputs (chief only), with the evaluated weights -----------------------
+    history = recorder.eval_history
+    last_train = recorder.train_history[-1] if recorder.train_history else {}
+    with averaging.averaged_weights(optimizer):
+        metrics = {
+            **history[-1],
+            "best_test_accuracy": max(e["test_accuracy"] for e in history),
+            **{k: v for k, v in last_train.items() if k.startswith("train_")},
+            "train_seconds": history[-1]["train_seconds"],
+            "images_per_second": progress.images_per_second(current),
+            "steps": current, "epochs": current / plan.steps_per_epoch,
+            "resumed_from_step": start_step, "skipped_steps": progress.skipped_steps,
+            "weights_sha256": progress_lib.weights_checksum(model),
+            "model": config.model, "dataset": config.dataset,
+            "strategy": type(strategy).__name__, "replicas": runtime.num_replicas,
+            "device": runtime.device_kind, "precision": precision, "jit_compile": jit,
+            "global_batch_size": config.batch_size,
+            "per_replica_batch_size": plan.per_replica_batch,
+        }
+        if is_chief:
+            model.save_weights(os.path.join(config.model_dir, inference.WEIGHTS_FILE))
+    metrics = recorder.finish(metrics, schedules.sample_points(schedule, 200),
+                              plan.steps_per_epoch)
     logging.info("Done: test accuracy %.4f on %d examples, %.1f s training, %.0f img/s",
                  metrics["test_accuracy"], metrics["test_examples"],
                  metrics["train_seconds"], metrics["images_per_second"])
+    if multi_worker:  # leave together: the chief hosts the coordination service
+        strategy.reduce(tf.distribute.ReduceOp.SUM,  # that the others still use
+                        strategy.run(lambda: tf.constant(1.0)), axis=None)
     return metrics

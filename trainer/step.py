@@ -1,110 +1,183 @@
-"""What ONE replica does with its slice of the global batch. Edit these to change
-the training math; distribution lives in trainer/distributed.py.
+"""What ONE replica does with its slice of the global batch: the training math.
 
-Both steps return *sums* (loss, correct predictions, examples) rather than means:
-sums add up correctly across replicas and steps, and the reporting code divides
-once at the end, so no replica count ever leaks into a reported loss.
+Edit this file to change training. A new step setting is a field of `StepOptions`
+(filled from the Config field of the same name, so add that too, with its help
+text: the flag comes from it) and its use below; nothing else needs to change. A new
+metric is one more key in the dict a step returns: the log line, TensorBoard and
+metrics.json show every key. Check a changed step with `python -m trainer.check_step`.
+
+Batches are dicts: "image", "label" (int class), optionally "target" (soft targets
+[B, classes], e.g. from mixup) and, in evaluation, "mask" (0 for padding).
+A model returns logits, or a dict with "logits" (and e.g. "aux_logits").
+Metrics are (total, weight) pairs summed over replicas and steps; what is shown is
+total / weight, so sums over examples and per-step values both come out right.
 """
+import dataclasses
+
 import keras
 import tensorflow as tf
 
-METRIC_KEYS = ("loss_sum", "correct", "count")
-TRAIN_KEYS = METRIC_KEYS + ("skipped",)  # skipped: 1 if the update was dropped (NaN)
+from trainer import optimizers
+
+Metric = tuple[tf.Tensor, tf.Tensor]  # (total, weight): shown as total / weight
+SUM = tf.distribute.ReduceOp.SUM
 
 
-def _sums(per_example_loss: tf.Tensor, logits: tf.Tensor, labels: tf.Tensor,
-          weights: tf.Tensor) -> dict[str, tf.Tensor]:
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """The step's settings. Each field is filled from the Config field of the same
+    name (see the flag help in trainer/config.py); the rest are derived."""
+    batch_size: int                   # GLOBAL batch, summed over replicas
+    label_smoothing: float = 0.0
+    clip_grad_norm: float = 0.0       # of the summed gradient; 0: off
+    grad_accum_steps: int = 1         # micro-batches per replica batch
+    aux_loss_weight: float = 0.3      # for a model's "aux_logits" output
+    tta_flip: bool = False            # evaluation: average with the mirror image
+    confusion_classes: int = 0        # evaluation: a confusion matrix if > 0
+
+    @classmethod
+    def from_config(cls, config, **derived) -> "StepOptions":
+        shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)
+                  if hasattr(config, f.name)}
+        return cls(**{**shared, **derived})
+
+
+def logits_of(outputs) -> tf.Tensor:
+    """The main head's float32 logits, whatever the model returns."""
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs
+    return tf.cast(logits, tf.float32)
+
+
+def loss_fn(batch: dict, outputs, options: StepOptions) -> tf.Tensor:
+    """Per-example loss: cross-entropy of the logits against the targets (soft
+    targets if the batch has them, else the labels), plus the weighted loss of an
+    auxiliary head if the model has one."""
+    logits = logits_of(outputs)
+    targets = batch.get("target")
+    if targets is None and not options.label_smoothing:
+        return _cross_entropy(batch["label"], logits, 0.0, outputs, options)
+    if targets is None:
+        targets = tf.one_hot(batch["label"], tf.shape(logits)[-1])
+    return _cross_entropy(targets, logits, options.label_smoothing, outputs, options)
+
+
+def _cross_entropy(targets, logits, smoothing, outputs, options):
+    def one_head(logits):
+        if targets.dtype.is_integer:
+            return keras.losses.sparse_categorical_crossentropy(targets, logits,
+                                                                from_logits=True)
+        return keras.losses.categorical_crossentropy(targets, logits, from_logits=True,
+                                                     label_smoothing=smoothing)
+    loss = one_head(logits)
+    if isinstance(outputs, dict) and "aux_logits" in outputs:
+        loss += options.aux_loss_weight * one_head(tf.cast(outputs["aux_logits"],
+                                                           tf.float32))
+    return loss
+
+
+def _mean_over_global_batch(per_example_loss: tf.Tensor, options: StepOptions):
+    # Divide by the GLOBAL batch, not this replica's share: the replicas' gradients
+    # are summed, so the sum is the gradient of the global-batch mean.
+    return tf.nn.compute_average_loss(per_example_loss, global_batch_size=options.batch_size)
+
+
+def _forward_backward(model, optimizer, batch: dict, options: StepOptions):
+    """This replica's gradient of its part of the global mean loss, and its metrics."""
+    with tf.GradientTape() as tape:
+        outputs = model(batch["image"], training=True)
+        per_example_loss = loss_fn(batch, outputs, options)
+        loss = _mean_over_global_batch(per_example_loss, options)
+        if model.losses:  # weight regularizers: every replica and micro-batch adds them
+            loss += tf.nn.scale_regularization_loss(
+                tf.add_n(model.losses)) / options.grad_accum_steps
+        # Identity, except under mixed_float16: scaled up so float16 gradients do not
+        # underflow (unscaled after the sum, below).
+        scaled_loss = optimizer.scale_loss(loss)
+    gradients = tape.gradient(scaled_loss, model.trainable_variables,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return gradients, _sums(per_example_loss, logits_of(outputs), batch["label"])
+
+
+def _sums(per_example_loss, logits, labels, weights=None) -> dict[str, Metric]:
+    """Loss and accuracy (against the hard label) summed over the examples."""
+    weights = tf.ones_like(per_example_loss) if weights is None else weights
     hits = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=labels.dtype), labels),
                    tf.float32)
-    return {"loss_sum": tf.reduce_sum(per_example_loss * weights),
-            "correct": tf.reduce_sum(hits * weights),
-            "count": tf.reduce_sum(weights)}
+    count = tf.reduce_sum(weights)
+    return {"loss": (tf.reduce_sum(per_example_loss * weights), count),
+            "accuracy": (tf.reduce_sum(hits * weights), count)}
 
 
-def _loss(labels: tf.Tensor, logits: tf.Tensor, label_smoothing: float) -> tf.Tensor:
-    """Per-example cross-entropy from logits; smoothing mixes the one-hot target with
-    the uniform distribution (weight `label_smoothing`)."""
-    if not label_smoothing:
-        return keras.losses.sparse_categorical_crossentropy(labels, logits,
-                                                            from_logits=True)
-    targets = tf.one_hot(labels, tf.shape(logits)[-1])
-    return keras.losses.categorical_crossentropy(targets, logits, from_logits=True,
-                                                 label_smoothing=label_smoothing)
+def _micro_batch_gradients(model, optimizer, batch: dict, options: StepOptions):
+    """The gradient over this replica's batch, in grad_accum_steps micro-batches."""
+    steps = options.grad_accum_steps
+    if steps == 1:
+        return _forward_backward(model, optimizer, batch, options)
+    micro = {key: tf.reshape(t, [steps, -1, *t.shape[1:]]) for key, t in batch.items()}
+    gradients, sums = _forward_backward(
+        model, optimizer, {key: t[0] for key, t in micro.items()}, options)
+    for i in tf.range(1, steps):  # a graph loop: one micro-batch in memory at a time
+        more, more_sums = _forward_backward(
+            model, optimizer, {key: t[i] for key, t in micro.items()}, options)
+        gradients = [g + m for g, m in zip(gradients, more)]
+        sums = tf.nest.map_structure(tf.add, sums, more_sums)
+    return gradients, sums
 
 
-def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
-               images: tf.Tensor, labels: tf.Tensor, global_batch_size: int,
-               skip_nonfinite: bool = False,
-               label_smoothing: float = 0.0) -> dict[str, tf.Tensor]:
-    """Forward, loss, gradients, update, on one replica.
+def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: dict,
+               options: StepOptions) -> dict[str, Metric]:
+    """Forward, backward, the cross-replica sum, one update; on one replica."""
+    gradients, sums = _micro_batch_gradients(model, optimizer, batch, options)
 
-    skip_nonfinite: if the loss is NaN/inf on any replica, no replica applies the
-    update (weights and optimizer state stay as they were) and `skipped` is 1.
-    """
-    with tf.GradientTape() as tape:
-        # float32 logits for the loss, whatever the mixed-precision policy.
-        logits = tf.cast(model(images, training=True), tf.float32)
-        per_example_loss = _loss(labels, logits, label_smoothing)
-        # Divide by the GLOBAL batch size, not this replica's: the replicas' gradients
-        # are summed below, so the sum is the gradient of the global-batch mean.
-        loss = tf.nn.compute_average_loss(per_example_loss,
-                                          global_batch_size=global_batch_size)
-        if model.losses:  # weight regularizers: every replica adds them, so / replicas
-            loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
-        # Identity, except under mixed_float16 (LossScaleOptimizer), where the loss is
-        # scaled up so float16 gradients do not underflow.
-        scaled_loss = optimizer.scale_loss(loss)
-    gradients = tape.gradient(scaled_loss, model.trainable_variables)
-    # The cross-replica all-reduce happens here: under a distribution strategy
-    # apply_gradients sums the gradients over all replicas, then every replica
-    # applies the same update to its copy of the weights.
-    if not skip_nonfinite:
-        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-        return {**_sums(per_example_loss, logits, labels,
-                        tf.ones_like(per_example_loss)), "skipped": tf.constant(0.0)}
-    skipped = apply_if_finite(optimizer, gradients, model.trainable_variables, loss)
-    kept = tf.cast(skipped == 0, tf.float32)  # a skipped step counts no examples
-    return {**_sums(tf.where(kept > 0, per_example_loss, 0.0), logits, labels,
-                    kept * tf.ones_like(per_example_loss)), "skipped": skipped}
+    # THE all-reduce. After this line every replica holds the same gradient: that of
+    # the global-batch mean loss. Anything that must see the whole batch's gradient
+    # (unscaling, its norm, clipping, the finite check) comes after it.
+    replica = tf.distribute.get_replica_context()
+    gradients = replica.all_reduce(SUM, gradients)
+    gradients = optimizers.unscale(optimizer, gradients)  # mixed_float16 only
+    grad_norm = tf.linalg.global_norm(gradients)
+    finite = tf.math.is_finite(grad_norm)  # the same on every replica
+    if options.clip_grad_norm:
+        gradients, _ = tf.clip_by_global_norm(gradients, options.clip_grad_norm,
+                                              use_norm=grad_norm)
+
+    # One update, the same on every replica (the optimizer does not sum again), or
+    # none for a non-finite gradient; optimizer.iterations counts the step either way.
+    optimizers.apply_or_skip(optimizer, gradients, model.trainable_variables, finite)
+
+    applied = tf.cast(finite, tf.float32)
+    skipped = 1.0 - applied
+    if optimizers.loss_scaled(optimizer):  # an overflow at a finite loss is the loss
+        loss_total = replica.all_reduce(SUM, sums["loss"][0])  # scale's business
+        skipped *= 1.0 - tf.cast(tf.math.is_finite(loss_total), tf.float32)
+    # A skipped step's examples are not counted in the loss and accuracy.
+    return {**{key: (tf.where(finite, total, 0.0), weight * applied)
+               for key, (total, weight) in sums.items()},
+            "grad_norm": (tf.where(finite, grad_norm, 0.0), applied),
+            "skipped": (skipped, tf.constant(1.0))}
 
 
-def eval_step(model: keras.Model, images: tf.Tensor, labels: tf.Tensor,
-              mask: tf.Tensor, tta_flip: bool = False,
-              confusion_classes: int = 0) -> dict[str, tf.Tensor]:
-    """Loss and accuracy sums on one replica; padded examples (mask 0) count 0.
-    tta_flip: average the logits of each image and its mirror image.
-    confusion_classes > 0: also a `confusion` matrix of counts [true, predicted]."""
-    logits = tf.cast(model(images, training=False), tf.float32)
+def predict_logits(model: keras.Model, images: tf.Tensor, tta_flip: bool = False):
+    """float32 logits of the main head; with tta_flip, averaged with the mirror
+    image's. Evaluation, predict and export all use this."""
+    logits = logits_of(model(images, training=False))
     if tta_flip:
-        mirrored = tf.cast(model(tf.reverse(images, axis=[2]), training=False), tf.float32)
-        logits = (logits + mirrored) / 2
+        logits = (logits + logits_of(model(tf.reverse(images, axis=[2]),
+                                           training=False))) / 2
+    return logits
+
+
+def eval_step(model: keras.Model, batch: dict, options: StepOptions) -> dict[str, Metric]:
+    """Loss and accuracy on one replica; padded examples (mask 0) count 0. With
+    options.confusion_classes, also `confusion`: counts [true, predicted]."""
+    logits = predict_logits(model, batch["image"], options.tta_flip)
     per_example_loss = keras.losses.sparse_categorical_crossentropy(
-        labels, logits, from_logits=True)
-    mask = tf.cast(mask, tf.float32)
-    sums = _sums(per_example_loss, logits, labels, mask)
-    if confusion_classes:
-        sums["confusion"] = tf.math.confusion_matrix(
-            labels, tf.argmax(logits, -1, output_type=labels.dtype), confusion_classes,
-            weights=mask, dtype=tf.float32)
+        batch["label"], logits, from_logits=True)
+    mask = tf.cast(batch["mask"], tf.float32)
+    sums = _sums(per_example_loss, logits, batch["label"], mask)
+    if options.confusion_classes:
+        sums["confusion"] = (tf.math.confusion_matrix(
+            batch["label"], tf.argmax(logits, -1, output_type=batch["label"].dtype),
+            options.confusion_classes, weights=mask, dtype=tf.float32),
+            tf.reduce_sum(mask))
     return sums
-
-
-def apply_if_finite(optimizer: keras.optimizers.Optimizer, gradients, variables,
-                    loss: tf.Tensor) -> tf.Tensor:
-    """Applies the update unless the loss is non-finite on ANY replica; returns this
-    replica's share of the skip count (1 / replicas if skipped: the sums over
-    replicas then count the step once). The decision is all-reduced so every replica
-    (and worker) agrees, and the cond runs in the cross-replica context, where a branch may all-reduce
-    (as Keras' LossScaleOptimizer does)."""
-    context = tf.distribute.get_replica_context()
-    bad = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                             tf.cast(tf.logical_not(tf.math.is_finite(loss)), tf.float32))
-
-    def cross_replica(strategy, bad, gradients):
-        def apply(grads):
-            optimizer.apply_gradients(zip(grads, variables))
-        tf.cond(strategy.experimental_local_results(bad)[0] > 0, lambda: None,
-                lambda: strategy.extended.call_for_each_replica(apply, args=(gradients,)))
-
-    context.merge_call(cross_replica, args=(bad, gradients))
-    return tf.cast(bad > 0, tf.float32) / context.num_replicas_in_sync

@@ -106,7 +106,7 @@ def create(strategy: str = "auto", tpu: str | None = None, require_tpu: bool = F
     if strategy == "multi_worker":
         if "TF_CONFIG" not in os.environ:
             raise DeviceError("--strategy=multi_worker needs TF_CONFIG in the environment "
-                              "(python -m trainer.launch sets it up on one machine)")
+                              "(python -m trainer.tools.launch sets it up on one machine)")
         return Runtime(tf.distribute.MultiWorkerMirroredStrategy(), kind)
     if strategy == "one_device":
         return Runtime(tf.distribute.OneDeviceStrategy("/gpu:0" if gpus else "/cpu:0"),
@@ -156,9 +156,14 @@ def resolve_precision(precision: str, device_kind: str,
     return "mixed_bfloat16" if _cpu_has_bf16() else "float32"
 
 
-def resolve_jit(jit_compile: str, device_kind: str) -> bool:
+def resolve_jit(jit_compile: str, device_kind: str, num_replicas: int = 1) -> bool:
     if jit_compile == "auto":
         return device_kind in ("tpu", "gpu")
+    if jit_compile == "true" and device_kind == "cpu" and num_replicas > 1:
+        # Measured: XLA-compiled steps on several logical CPU devices read a
+        # variable copy of another device and fail.
+        raise DeviceError("--jit_compile=true does not work with several CPU replicas; "
+                          "drop --jit_compile or --cpu_replicas")
     return jit_compile == "true"
 
 

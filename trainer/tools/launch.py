@@ -1,6 +1,6 @@
 """Try multi-worker training on one machine:
 
-    python -m trainer.launch --workers=2 -- --model=cifar_cnn --epochs=1
+    python -m trainer.tools.launch --workers=2 -- --model=cifar_cnn --epochs=1
 
 Starts N `trainer.main --strategy=multi_worker` processes on free localhost ports,
 each with its TF_CONFIG (worker 0 is the chief), prefixes every output line with
@@ -8,7 +8,6 @@ its worker, and if one worker fails, stops the others (so none waits forever in 
 collective) and exits with the failed worker's status. On a real cluster, set
 TF_CONFIG on each machine yourself and run trainer.main there.
 """
-import argparse
 import json
 import os
 import signal
@@ -18,6 +17,11 @@ import sys
 import threading
 import time
 
+from absl import app, flags
+
+from trainer import cli
+
+FLAGS = flags.FLAGS
 GRACE_SECONDS = 10  # SIGTERM first (a checkpoint may be saved), then SIGKILL
 
 
@@ -97,20 +101,26 @@ def launch(workers: int, trainer_args: list[str]) -> int:
     return status or next((p.returncode for p in procs if p.returncode), 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=2, help="worker processes")
-    parser.add_argument("trainer_args", nargs=argparse.REMAINDER,
-                        help="-- then the flags of trainer.main")
-    args = parser.parse_args(argv)
-    trainer_args = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else (
-        args.trainer_args)
-    if args.workers < 1:
-        parser.error("--workers must be at least 1")
-    if any(a.startswith("--strategy") for a in trainer_args):
-        parser.error("the launcher sets --strategy=multi_worker; drop --strategy")
-    return launch(args.workers, trainer_args)
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    """launch's one flag (defining twice is a no-op); trainer.main's flags go after
+    `--`, where absl stops parsing."""
+    cli.define(flag_values, flags.DEFINE_integer, "workers", 2, "Worker processes.",
+               lower_bound=1)
+
+
+def _strategy_flag(arg: str) -> bool:
+    return arg.startswith("-") and arg.lstrip("-").split("=", 1)[0] == "strategy"
+
+
+def main(argv: list[str]) -> None:
+    trainer_args = argv[1:]  # trainer.main's flags, given after `--`
+    if any(_strategy_flag(a) for a in trainer_args):
+        print("error: the launcher sets --strategy=multi_worker; drop --strategy",
+              file=sys.stderr)
+        sys.exit(2)
+    sys.exit(launch(FLAGS.workers, trainer_args))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    define_flags()
+    app.run(main, flags_parser=cli.parse_flags)

@@ -1,24 +1,28 @@
 """The reference we must beat: the seed recipe trained with Keras `model.fit`.
 
-    python -m trainer.fit_baseline --epochs=3 [--precision=float32] [--batch_size=1024]
+    python -m trainer.tools.fit_baseline --epochs=3 [--precision=float32] [--batch_size=1024]
 
 Same model, data (TFDS CIFAR-10, normalized, no augmentation as in the seed), global
 batch and precision as a user of the founding codelab would run it. Prints the
 training time per epoch, images/sec and test accuracy, to compare with
 `python -m trainer.main` run beside it (timings on a shared machine drift).
 """
-import argparse
 import json
 import os
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from absl import app, flags  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from data import augment, sources  # noqa: E402
 import models  # noqa: E402
+from trainer import cli  # noqa: E402
+
+FLAGS = flags.FLAGS
 
 
 class _EpochTimer(keras.callbacks.Callback):
@@ -63,16 +67,34 @@ def run(epochs: int, batch_size: int, precision: str, data_dir: str | None) -> d
             "test_accuracy": history.history["val_sparse_categorical_accuracy"][-1]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch_size", type=int, default=1024)
-    parser.add_argument("--precision", default="float32")
-    parser.add_argument("--data_dir", default=None)
-    args = parser.parse_args()
-    print(json.dumps(run(args.epochs, args.batch_size, args.precision, args.data_dir),
-                     indent=2))
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    """fit_baseline's flags (defining twice is a no-op). All four share their names
+    with trainer.main's: run this command on its own, not in a process that defined
+    those first (theirs, with other defaults, would be used)."""
+    cli.define(flag_values, flags.DEFINE_integer, "epochs", 3, "Epochs to train.",
+               lower_bound=1)
+    cli.define(flag_values, flags.DEFINE_integer, "batch_size", 1024, "Global batch "
+               "size.", lower_bound=1)
+    cli.define(flag_values, flags.DEFINE_enum, "precision", "float32",
+               "Keras mixed-precision policy.",
+               enum_values=["float32", "mixed_bfloat16", "mixed_float16"])
+    cli.define(flag_values, flags.DEFINE_string, "data_dir", None, "TFDS data dir; "
+               "default: $TFDS_DATA_DIR, else the TFDS default.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {argv[1:]}; flags look like --name=value",
+              file=sys.stderr)
+        sys.exit(2)
+    try:
+        result = run(FLAGS.epochs, FLAGS.batch_size, FLAGS.precision, FLAGS.data_dir)
+    except sources.DatasetError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    define_flags()
+    app.run(main, flags_parser=cli.parse_flags)

@@ -1,22 +1,27 @@
 """TensorBoard event files in --model_dir/train and --model_dir/eval:
 `tensorboard --logdir=MODEL_DIR` shows them.
 
-train: loss, accuracy, learning_rate, images_per_second (every --log_every steps).
-eval: loss, accuracy (and accuracy_raw with --ema_decay), and two images at each
-evaluation: `predictions` (a grid of test images, predicted and true labels) and
-`confusion_matrix`.
+train: every metric the training step returns (loss, accuracy, grad_norm, ...),
+learning_rate and images_per_second, every --log_every steps. eval: every metric of
+the evaluation (loss, accuracy, accuracy_raw with --ema_decay, ...) and two images
+at each evaluation: `predictions` (a grid of test images, predicted and true
+labels) and `confusion_matrix`. Tags are the history keys without their `train_` or
+`test_` prefix.
 """
 import os
 
 import tensorflow as tf
 
-from trainer import figures
+from trainer.output import figures
 
-TRAIN_SCALARS = {"train_loss": "loss", "train_accuracy": "accuracy",
-                 "learning_rate": "learning_rate",
-                 "images_per_second": "images_per_second"}
-EVAL_SCALARS = {"test_loss": "loss", "test_accuracy": "accuracy",
-                "test_accuracy_raw": "accuracy_raw", "test_loss_raw": "loss_raw"}
+_NOT_SCALARS = ("step", "epoch", "train_seconds", "wall_seconds", "test_examples")
+
+
+def _tags(record: dict, prefix: str) -> dict[str, str]:
+    """{record key: TensorBoard tag} for every scalar of a history record."""
+    return {key: key[len(prefix):] if key.startswith(prefix) else key
+            for key, value in record.items()
+            if key not in _NOT_SCALARS and isinstance(value, (int, float))}
 
 
 def _png_image(fig) -> tf.Tensor:
@@ -32,11 +37,11 @@ class Writer:
                           for name in ("train", "eval")} if enabled else {})
 
     def train(self, record: dict) -> None:
-        self._scalars("train", record, TRAIN_SCALARS)
+        self._scalars("train", record, _tags(record, "train_"))
 
     def eval(self, record: dict, details: dict, class_names) -> None:
         """record: the eval-history record; details: `confusion` and `samples`."""
-        self._scalars("eval", record, EVAL_SCALARS)
+        self._scalars("eval", record, _tags(record, "test_"))
         if not self._writers:
             return
         epoch = f"epoch {record['epoch']:.2f}, test accuracy {record['test_accuracy']:.2%}"

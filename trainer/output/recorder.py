@@ -8,7 +8,7 @@ import os
 
 from absl import logging
 
-from trainer import figures, reporting, summaries
+from trainer.output import figures, progress as reporting, summaries
 
 METRICS_FILE = "metrics.json"
 SUMMARY_FILE = "summary.png"

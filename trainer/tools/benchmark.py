@@ -1,6 +1,6 @@
 """Training throughput, side by side in one process:
 
-    python -m trainer.benchmark --model=cifar_cnn --batch_size=1024 [--steps=10 --rounds=3]
+    python -m trainer.tools.benchmark --model=cifar_cnn --batch_size=1024 [--steps=10 --rounds=3]
 
 Cases (all the same model and global batch, on this machine's default device):
 ours (in-memory batches), Keras model.fit at the same precision and XLA setting,
@@ -11,25 +11,30 @@ the table gives the median over rounds. FLOPs per training image are counted fro
 the forward graph (TF's profiler, float ops of the inference graph at batch 1) times
 3 (the backward pass is about twice the forward), and compared with this machine's
 peak measured in the same run: a 2048x2048 matmul in the same precision.
-Prints a Markdown table and writes JSON (--output).
+Prints a Markdown table and writes JSON (--output). --cpu_replicas=2 runs our cases
+on 2 logical CPU devices (MirroredStrategy; model.fit then runs on the same strategy).
 """
-import argparse
 import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
+import types
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from absl import app, flags  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from data import sources  # noqa: E402
 import models  # noqa: E402
-from trainer import distributed, inputs, optimizers  # noqa: E402
+from trainer import distributed, inputs, optimizers, step  # noqa: E402
 from trainer.config import Config  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
+
+FLAGS = flags.FLAGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +48,13 @@ class Case:
     data: str = "memory"  # "memory" | "pipeline"
 
 
-def _in_memory(shape, num_classes: int, batch: int) -> tf.data.Dataset:
+def _in_memory(shape, num_classes: int, batch: int, as_dict: bool = True
+               ) -> tf.data.Dataset:
     images = tf.random.stateless_normal((batch, *shape), seed=(1, 2))
     labels = tf.random.stateless_uniform((batch,), (3, 4), maxval=num_classes,
                                          dtype=tf.int32)
-    return tf.data.Dataset.from_tensors((images, labels)).repeat()
+    element = {"image": images, "label": labels} if as_dict else (images, labels)
+    return tf.data.Dataset.from_tensors(element).repeat()
 
 
 class Runner:
@@ -57,7 +64,8 @@ class Runner:
         self.case, self.batch = case, args.batch_size
         keras.mixed_precision.set_global_policy(case.precision)
         keras.utils.set_random_seed(0)
-        strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+        strategy = (strategy_lib.mirrored(tuple(args.devices)) if len(args.devices) > 1
+                    else tf.distribute.OneDeviceStrategy("/cpu:0"))
         with strategy.scope():
             self.model = models.build(args.model, spec.num_classes, shape,
                                       tiny=args.model_size == "tiny")
@@ -67,10 +75,13 @@ class Runner:
             self.model.compile(optimizer=optimizer, jit_compile=case.jit,
                                loss=keras.losses.SparseCategoricalCrossentropy(
                                    from_logits=True))
-            self.dataset = _in_memory(shape, spec.num_classes, self.batch)
+            self.dataset = _in_memory(shape, spec.num_classes, self.batch, as_dict=False)
         else:
-            self.loop = distributed.make_train_loop(strategy, self.model, optimizer,
-                                                    self.batch, case.jit)
+            options = step.StepOptions(batch_size=self.batch)
+            model = self.model
+            self.loop = distributed.make_train_loop(
+                strategy, lambda batch: step.train_step(model, optimizer, batch, options),
+                case.jit)
             if case.data == "pipeline":  # exactly what trainer.main trains on
                 config = Config(model=args.model, dataset=args.dataset,
                                 image_size=shape[0], batch_size=self.batch,
@@ -95,7 +106,8 @@ class Runner:
             done, per_call = 0, self.case.steps_per_loop
             while done < steps:
                 n = min(per_call, steps - done)
-                float(self.loop(self.iterator, tf.constant(n))["loss_sum"])  # waits
+                sums, _ = self.loop(self.iterator, tf.constant(n), tf.constant(0.0))
+                float(sums["loss"][0])  # waits for the steps
                 done += n
         return time.perf_counter() - start
 
@@ -170,14 +182,18 @@ def cases(precision: str, jit: bool, steps_per_loop: int,
     return [case for case in every if case.key == "ours" or case.key in keys]
 
 
+def runnable(chosen: list[Case], replicas: int) -> list[Case]:
+    """XLA steps fail on several logical CPU devices (trainer.strategy.resolve_jit)."""
+    return [case for case in chosen if not (case.jit and replicas > 1)]
+
+
 def measure(args) -> dict:
     spec = sources.get_spec(args.dataset)
     size = args.image_size or spec.image_shape[0]
     shape = (size, size, spec.image_shape[2])
     precision = strategy_lib.resolve_precision(args.precision, "cpu")
-    runners = [Runner(c, args, spec, shape)
-               for c in cases(precision, args.jit_compile == "true", args.steps_per_loop,
-                              args.cases.split(","))]
+    runners = [Runner(c, args, spec, shape) for c in runnable(cases(precision, args.jit_compile == "true", args.steps_per_loop,
+                              args.cases), len(args.devices))]
     for runner in runners:  # trace, fill caches and warm up before timing
         runner.run(max(2, runner.case.steps_per_loop))
     seconds = {r.case.name: [] for r in runners}
@@ -220,36 +236,47 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="cifar_cnn", choices=models.names())
-    parser.add_argument("--model_size", default="full", choices=("full", "tiny"))
-    parser.add_argument("--dataset", default="cifar10", choices=sources.names())
-    parser.add_argument("--batch_size", type=int, default=1024)
-    parser.add_argument("--image_size", type=int, default=0)
-    parser.add_argument("--precision", default="auto")
-    parser.add_argument("--jit_compile", default="false", choices=("true", "false"))
-    parser.add_argument("--steps_per_loop", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--data_dir", default=None)
-    parser.add_argument("--peak_size", type=int, default=2048, help="matmul size for "
-                        "the peak FLOP/s")
-    parser.add_argument("--cases", default=",".join(CASE_KEYS),
-                        help="comma-separated subset of " + ",".join(CASE_KEYS) +
-                        " (ours always runs: it is the baseline)")
-    parser.add_argument("--output", default="", help="JSON file to write")
-    args = parser.parse_args(argv)
-    unknown = set(args.cases.split(",")) - set(CASE_KEYS)
+def define_flags() -> None:
+    flags.DEFINE_string("model", "cifar_cnn", f"Model: {'|'.join(models.names())}.")
+    flags.DEFINE_enum("model_size", "full", ["full", "tiny"], "tiny: the test variant.")
+    flags.DEFINE_enum("dataset", "cifar10", list(sources.names()), "Dataset.")
+    flags.DEFINE_integer("batch_size", 1024, "Global batch size.")
+    flags.DEFINE_integer("image_size", 0, "Square image size (0: the dataset's).")
+    flags.DEFINE_string("precision", "auto", "auto|float32|mixed_bfloat16|mixed_float16.")
+    flags.DEFINE_enum("jit_compile", "false", ["true", "false"], "XLA for every case.")
+    flags.DEFINE_integer("steps_per_loop", 10, "Steps per tf.function call (ours).")
+    flags.DEFINE_integer("steps", 10, "Steps per timed round.")
+    flags.DEFINE_integer("rounds", 3, "Timed rounds (the table shows the median).")
+    flags.DEFINE_integer("cpu_replicas", 1, "Split the CPU into N devices and run N "
+                         "replicas (MirroredStrategy) for every case.")
+    flags.DEFINE_string("data_dir", None, "TFDS data dir.")
+    flags.DEFINE_integer("peak_size", 2048, "Matmul size for the peak FLOP/s.")
+    flags.DEFINE_list("cases", list(CASE_KEYS), "Subset of " + ",".join(CASE_KEYS) +
+                      " (ours always runs: it is the baseline).")
+    flags.DEFINE_string("output", "", "JSON file to write.")
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    unknown = set(FLAGS.cases) - set(CASE_KEYS)
     if unknown:
-        parser.error(f"unknown --cases {', '.join(sorted(unknown))}; valid: "
-                     f"{','.join(CASE_KEYS)}")
+        print(f"error: unknown --cases {', '.join(sorted(unknown))}; valid: "
+              f"{','.join(CASE_KEYS)}", file=sys.stderr)
+        sys.exit(2)
+    devices = (strategy_lib.split_cpu(FLAGS.cpu_replicas) if FLAGS.cpu_replicas > 1
+               else ["/cpu:0"])
+    args = types.SimpleNamespace(**{name: FLAGS[name].value for name in (
+        "model", "model_size", "dataset", "batch_size", "image_size", "precision",
+        "jit_compile", "steps_per_loop", "steps", "rounds", "data_dir", "peak_size",
+        "cases")}, devices=devices)
     result = measure(args)
+    result["replicas"] = len(devices)
     print(markdown(result))
-    if args.output:
-        with open(args.output, "w") as f:
+    if FLAGS.output:
+        with open(FLAGS.output, "w") as f:
             json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":
-    main()
+    define_flags()
+    app.run(main)

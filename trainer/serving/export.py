@@ -1,6 +1,6 @@
 """Export a trained run as a SavedModel for serving:
 
-    python -m trainer.export --model_dir=DIR --export_dir=OUT
+    python -m trainer.serving.export --model_dir=DIR --export_dir=OUT
 
 Signatures (each returns `probabilities` [N, classes], `class_index` [N] and
 `class_name` [N]):
@@ -11,17 +11,20 @@ Both resize to the model's size and normalize exactly as evaluation does (and
 average with the mirror image if the run evaluated with --tta_flip), so clients
 send plain pixels. Load with `tf.saved_model.load(OUT)`.
 """
-import argparse
 import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from absl import app, flags  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from data import augment, sources  # noqa: E402
-from trainer import checkpoints, inference  # noqa: E402
+from trainer import checkpoints, cli, step  # noqa: E402
+from trainer.serving import inference  # noqa: E402
+
+FLAGS = flags.FLAGS
 
 
 def _to_model_size(images: tf.Tensor, size: int) -> tf.Tensor:
@@ -42,7 +45,7 @@ def serving_functions(trained: inference.TrainedModel) -> dict:
 
     def classify(images):  # uint8 at the model's size
         normalized, _ = normalize(images, None)
-        probabilities = tf.nn.softmax(inference.logits_of(model, normalized, tta_flip))
+        probabilities = tf.nn.softmax(step.predict_logits(model, normalized, tta_flip))
         index = tf.argmax(probabilities, axis=-1)
         return {"probabilities": probabilities, "class_index": index,
                 "class_name": tf.gather(names, index)}
@@ -79,14 +82,25 @@ def export(model_dir: str, export_dir: str) -> str:
     return export_dir
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model_dir", required=True, help="a finished run's directory")
-    parser.add_argument("--export_dir", required=True, help="new directory to write")
-    args = parser.parse_args(argv)
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    """export's flags, both required (defining twice is a no-op; --model_dir shares
+    its name with trainer.main's, and is required only where export defines it).
+    A test calls this inside absl.testing.flagsaver: a required flag left defined
+    would fail every later parse of FLAGS in the process."""
+    for name, text in (("model_dir", "A finished run's directory."),
+                       ("export_dir", "New directory to write the SavedModel to.")):
+        if cli.define(flag_values, flags.DEFINE_string, name, None, text):
+            flags.mark_flag_as_required(name, flag_values)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {argv[1:]}; flags look like --name=value",
+              file=sys.stderr)
+        sys.exit(2)
     tf.config.set_visible_devices([], "GPU")
     try:
-        path = export(args.model_dir, args.export_dir)
+        path = export(FLAGS.model_dir, FLAGS.export_dir)
     except (inference.InferenceError, sources.DatasetError, checkpoints.CheckpointError,
             ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -96,4 +110,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    define_flags()
+    app.run(main, flags_parser=cli.parse_flags)

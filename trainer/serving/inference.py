@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from data import augment, sources
 import models
-from trainer import checkpoints
+from trainer import checkpoints, step
 
 WEIGHTS_FILE = "model.weights.h5"
 
@@ -30,22 +30,12 @@ def resize_uint8(image, size: int) -> np.ndarray:
     return tf.cast(image, tf.uint8).numpy()
 
 
-def logits_of(model: keras.Model, normalized: tf.Tensor, tta_flip: bool) -> tf.Tensor:
-    """float32 logits, averaged with the mirror image's under --tta_flip (as the
-    evaluation step does)."""
-    logits = tf.cast(model(normalized, training=False), tf.float32)
-    if tta_flip:
-        mirrored = model(tf.reverse(normalized, axis=[2]), training=False)
-        logits = (logits + tf.cast(mirrored, tf.float32)) / 2
-    return logits
-
-
 def class_probabilities(model: keras.Model, images, spec: sources.DatasetSpec,
                         tta_flip: bool = False) -> np.ndarray:
     """Class probabilities for uint8 images [N, size, size, 3]."""
     normalized, _ = augment.make_normalize(spec.mean, spec.std)(
         tf.convert_to_tensor(images, tf.uint8), None)
-    return tf.nn.softmax(logits_of(model, normalized, tta_flip)).numpy()
+    return tf.nn.softmax(step.predict_logits(model, normalized, tta_flip)).numpy()
 
 
 def decode_file(path: str) -> np.ndarray:

@@ -1,12 +1,16 @@
-"""Progress lines, images/sec, ETA, and metrics.json."""
+"""Progress lines, images/sec, ETA, and small file helpers (atomic JSON, weight
+checksum)."""
 import hashlib
 import json
 import os
 import time
 
+import numpy as np
+
 from absl import logging
 
-from trainer import progress_bar, schedules
+from trainer import schedules
+from trainer.output import progress_bar
 
 
 def _duration(seconds: float) -> str:
@@ -15,8 +19,9 @@ def _duration(seconds: float) -> str:
 
 
 class Progress:
-    """Accumulates step sums for the log lines (every --log_every steps, off a
-    terminal) or the live bar (on one); all rates use training time only."""
+    """Accumulates the step's metric sums for the log lines (every --log_every steps,
+    off a terminal) or the live bar (on one); all rates use training time only.
+    Every metric the step returns is shown, in the order it returns them."""
 
     def __init__(self, total_steps: int, steps_per_epoch: int, global_batch_size: int,
                  start_step: int, bars: progress_bar.EpochBars | None = None):
@@ -24,20 +29,25 @@ class Progress:
         self.global_batch_size = global_batch_size
         self.start_step = start_step
         self.train_seconds = 0.0
-        self.skipped_steps = 0  # updates dropped for a non-finite loss (--on_nan)
+        self.skipped_steps = 0  # updates dropped for a non-finite gradient (--on_nan)
         self.bars = bars
         self._window = _Window()  # since the last log line
         self._epoch = _Window()   # since the start of the epoch, for the bar
 
-    def add(self, sums: dict, num_steps: int, seconds: float) -> None:
+    def add(self, sums: dict, num_steps: int, seconds: float) -> int:
+        """Adds the sums of `num_steps` steps; returns how many were skipped."""
         self._window.add(sums, num_steps, seconds)
         self._epoch.add(sums, num_steps, seconds)
         self.train_seconds += seconds
-        skipped = int(sums.get("skipped", 0))
+        skipped = 0
+        if "skipped" in sums:  # (skipped steps, steps) summed over replicas
+            total, weight = sums["skipped"]
+            skipped = round(num_steps * float(total) / max(float(weight), 1e-9))
         if skipped:
-            logging.warning("non-finite loss: skipped %d update(s) (%d in this run)",
-                            skipped, self.skipped_steps + skipped)
+            logging.warning("non-finite loss or gradient: skipped %d update(s) (%d in "
+                            "this run)", skipped, self.skipped_steps + skipped)
         self.skipped_steps += skipped
+        return skipped
 
     def images_per_second(self, step: int) -> float:
         images = (step - self.start_step) * self.global_batch_size
@@ -50,15 +60,15 @@ class Progress:
 
     def show(self, step: int, learning_rate: float) -> None:
         """Updates the live bar (if any) after the steps up to `step`: the epoch's
-        running loss and accuracy, and the run's ETA at this epoch's speed."""
+        running metrics, and the run's ETA at this epoch's speed."""
         if self.bars is None:
             return
-        loss, accuracy, rate = self._epoch.means(self.global_batch_size)
+        means, rate = self._epoch.means(self.global_batch_size)
         epoch_end = min(self.total_steps,
                         (step - 1) // self.steps_per_epoch * self.steps_per_epoch
                         + self.steps_per_epoch)
-        self.bars.update(step, f"loss {loss:.4f}  acc {accuracy:.4f}  "
-                               f"lr {learning_rate:.3g}  {rate:,.0f} img/s  "
+        self.bars.update(step, f"{_format(means)}  lr {learning_rate:.3g}  "
+                               f"{rate:,.0f} img/s  "
                                f"ETA epoch {self._eta(step, rate, epoch_end)} "
                                f"run {self._eta(step, rate)}")
         if step % self.steps_per_epoch == 0:
@@ -66,38 +76,45 @@ class Progress:
 
     def log(self, step: int, learning_rate: float) -> dict:
         """The values since the last call (one plain log line unless a live bar
-        shows them); returns them as a train-history record."""
-        loss, accuracy, rate = self._window.means(self.global_batch_size)
+        shows them); returns them as a train-history record, each metric as
+        `train_<name>`."""
+        means, rate = self._window.means(self.global_batch_size)
         if self.bars is None:
-            logging.info("step %d/%d  epoch %.2f  loss %.4f  accuracy %.4f  lr %.3g  "
-                         "%.0f img/s  ETA %s", step, self.total_steps,
-                         step / self.steps_per_epoch, loss, accuracy, learning_rate,
-                         rate, self._eta(step, rate))
+            logging.info("step %d/%d  epoch %.2f  %s  lr %.3g  %.0f img/s  ETA %s", step,
+                         self.total_steps, step / self.steps_per_epoch, _format(means),
+                         learning_rate, rate, self._eta(step, rate))
         self._window = _Window()
         return {"step": step, "epoch": step / self.steps_per_epoch,
-                "train_seconds": self.train_seconds, "train_loss": loss,
-                "train_accuracy": accuracy, "learning_rate": learning_rate,
-                "images_per_second": rate}
+                "train_seconds": self.train_seconds,
+                **{f"train_{key}": value for key, value in means.items()},
+                "learning_rate": learning_rate, "images_per_second": rate}
+
+
+def _format(means: dict[str, float]) -> str:
+    return "  ".join(f"{key} {value:.4f}" for key, value in means.items())
 
 
 class _Window:
-    """Sums of loss, hits, examples, steps and seconds over some steps."""
+    """(total, weight) of every metric, steps and seconds over some steps."""
 
     def __init__(self):
-        self.sums = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
+        self.sums: dict[str, list[float]] = {}
         self.steps, self.seconds = 0, 0.0
 
     def add(self, sums: dict, num_steps: int, seconds: float) -> None:
-        for key in self.sums:
-            self.sums[key] += sums[key]
+        for key, (total, weight) in sums.items():
+            if np.size(total) == 1:
+                kept = self.sums.setdefault(key, [0.0, 0.0])
+                kept[0] += float(total)
+                kept[1] += float(weight)
         self.steps += num_steps
         self.seconds += seconds
 
-    def means(self, global_batch_size: int) -> tuple[float, float, float]:
-        """(mean loss, accuracy, images/sec)."""
-        count = max(self.sums["count"], 1.0)
+    def means(self, global_batch_size: int) -> tuple[dict[str, float], float]:
+        """({metric: total / weight}, images/sec)."""
         rate = self.steps * global_batch_size / max(self.seconds, 1e-9)
-        return self.sums["loss_sum"] / count, self.sums["correct"] / count, rate
+        return {key: total / weight if weight else 0.0
+                for key, (total, weight) in self.sums.items()}, rate
 
 
 class Stopwatch:
@@ -134,12 +151,18 @@ def weights_checksum(model) -> str:
 
 
 def log_setup(config, spec, runtime, plan, precision: str, jit: bool, schedule,
-              model) -> None:
+              model, step_options) -> None:
     """The run's set-up in a few log lines, before the first step."""
     logging.info("Strategy: %s", runtime.describe())
-    logging.info("Batch: global %d = %d replicas x %d per replica | precision %s | "
+    logging.info("Batch: global %d = %d replicas x %d per replica%s | precision %s | "
                  "XLA %s", config.batch_size, runtime.num_replicas,
-                 plan.per_replica_batch, precision, "on" if jit else "off")
+                 plan.per_replica_batch,
+                 (f" ({config.grad_accum_steps} micro-batches of "
+                  f"{plan.per_replica_batch // config.grad_accum_steps})"
+                  if config.grad_accum_steps > 1 else ""),
+                 precision, "on" if jit else "off")
+    logging.info("Step: %s", ", ".join(
+        f"{name}={value}" for name, value in vars(step_options).items()))
     logging.info("Model %s: %s parameters | data %s: %d train / %d eval examples | "
                  "%d steps (%d per epoch, %.2f epochs)", config.model,
                  f"{model.count_params():,}", config.dataset, plan.train_examples,

@@ -1,0 +1,68 @@
+"""The outer loop runs whatever the step returns: a new metric reaches every output,
+a model with an auxiliary head trains and serves its main head."""
+import json
+import logging
+import os
+
+from absl import logging as absl_logging
+import numpy as np
+import tensorflow as tf
+
+from trainer import loop, step
+
+
+def _tags(event_dir: str) -> dict[str, list[float]]:
+    values: dict[str, list[float]] = {}
+    for name in tf.io.gfile.listdir(event_dir):
+        for event in tf.compat.v1.train.summary_iterator(os.path.join(event_dir, name)):
+            for value in event.summary.value:
+                values.setdefault(value.tag, []).append(
+                    float(tf.make_ndarray(value.tensor)) if value.tensor.dtype else 0.0)
+    return values
+
+
+def test_a_metric_the_step_returns_reaches_log_tensorboard_and_metrics_json(
+        tiny_config, monkeypatch, caplog):
+    original = step.train_step
+
+    def step_with_a_new_metric(model, optimizer, batch, options):
+        metrics = original(model, optimizer, batch, options)
+        # The researcher's one-line change: the mean squared logit of the batch.
+        logits = step.logits_of(model(batch["image"], training=False))
+        return {**metrics, "logit_square": (tf.reduce_sum(logits ** 2),
+                                            tf.cast(tf.size(logits), tf.float32))}
+
+    monkeypatch.setattr(step, "train_step", step_with_a_new_metric)
+    with caplog.at_level(logging.INFO, logger="absl"):
+        loop.train_and_evaluate(tiny_config)
+        absl_logging.info("capture works")
+    assert "capture works" in caplog.text
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert lines and all("logit_square " in line and "grad_norm " in line for line in lines)
+    with open(os.path.join(tiny_config.model_dir, "metrics.json")) as f:
+        written = json.load(f)
+    history = written["train_history"]
+    assert all(r["train_logit_square"] > 0 and r["train_grad_norm"] > 0 for r in history)
+    assert written["train_logit_square"] == history[-1]["train_logit_square"]
+    tags = _tags(os.path.join(tiny_config.model_dir, "train"))
+    np.testing.assert_allclose(tags["logit_square"],
+                               [r["train_logit_square"] for r in history], rtol=1e-6)
+    assert "grad_norm" in tags and "skipped" in tags
+
+
+def test_a_two_output_model_trains_with_its_auxiliary_loss_and_exports_logits(
+        tiny_config, tmp_path):
+    from trainer.serving import export, inference
+    config = tiny_config.replace(model="resnet_aux", aux_loss_weight=0.5)
+    metrics = loop.train_and_evaluate(config)
+    assert np.isfinite(metrics["train_loss"]) and metrics["test_examples"] == 2000
+    trained = inference.TrainedModel(config.model_dir)
+    assert set(trained.model(np.zeros((1, 32, 32, 3), np.float32))) == {"logits",
+                                                                          "aux_logits"}
+    out = export.export(config.model_dir, str(tmp_path / "export"))
+    served = tf.saved_model.load(out)
+    images = tf.constant(np.random.default_rng(0).integers(0, 255, (3, 32, 32, 3)),
+                         tf.uint8)
+    result = served.signatures["predict_images"](images=images)
+    expected = trained.probabilities(list(images.numpy()))
+    np.testing.assert_allclose(result["probabilities"].numpy(), expected, atol=1e-5)

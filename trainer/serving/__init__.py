@@ -1,0 +1,1 @@
+"""A trained run used outside training: predict on images, export a SavedModel."""

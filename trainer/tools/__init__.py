@@ -1,0 +1,2 @@
+"""Tools around training: throughput benchmark, the model.fit baseline, a
+localhost multi-worker launcher."""
