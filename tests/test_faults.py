@@ -109,9 +109,10 @@ def _sha(model_dir: str) -> str:
         return json.load(f)["weights_sha256"]
 
 
+# Mixup and CutMix on: their soft targets must also be a pure function of the step.
 RESUME = [*TINY, "--batch_size=128", "--train_steps=120", "--checkpoint_every=10",
           "--steps_per_loop=1", "--eval_every=120", "--deterministic",
-          "--shuffle_buffer=4096"]
+          "--shuffle_buffer=4096", "--mixup_alpha=0.2", "--cutmix_alpha=1.0"]
 
 
 def _start(model_dir, *extra):

@@ -219,6 +219,7 @@ def measure(args) -> dict:
 def markdown(result: dict) -> str:
     base = result["rows"][0]["images_per_second"]
     lines = [f"{result['model']}, batch {result['batch_size']}, "
+             f"{result.get('replicas', 1)} replica(s), "
              f"{result['image_shape'][0]}x{result['image_shape'][1]}: "
              f"{result['training_flops_per_image'] / 1e6:.0f} MFLOP per training image; "
              "peak " + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s"
