@@ -1,10 +1,30 @@
-"""Where examples come from: a table of datasets, TFDS loading, synthetic data.
+"""Where examples come from: a table of datasets, TFDS loading, TFRecords, synthetic data.
 
 Every source yields `(image uint8 [H, W, 3], label int32)` and reports its size, so
 the pipeline can count steps and pad the evaluation set exactly.
+
+TFRecord datasets are named (quote it in a shell: `;` ends a command there)
+
+    tfrecord:TRAIN_PATTERN[;eval=EVAL_PATTERN][;classes=N]
+
+e.g. `'tfrecord:gs://bucket/flowers/train*.tfrec;eval=gs://bucket/flowers/val*.tfrec'`.
+Patterns are tf.io.gfile globs: gs:// works wherever a local path does. The files are
+our writer's (python -m data.make_tfrecords, with a dataset.json beside them) or the
+flowers codelab's as they are (no dataset.json, no `index` feature):
+- classes: dataset.json's class names, else `classes=N`, else the length of the first
+  record's `one_hot_class`, else the largest `class` + 1 in the first
+  tfrecords.SCAN_LIMIT records. Names: dataset.json's, else each class's `label` in the
+  first records (read until every class is seen, at most SCAN_LIMIT), else "0", "1", ...
+- image size: dataset.json's, else the first record's `size`, else its image's.
+- validation set: the `eval=` files; else, when records carry an `index` (ours), a fixed
+  hash of it holds out holdout_fraction of the records (the same split as from TFDS);
+  else (the codelab's) the last ceil(holdout_fraction x files) of the sorted files, at
+  least one. holdout_fraction is dataset.json's, else 0.15.
+- record counts: from the file names (`flowers00-230.tfrec` holds 230).
 """
 import dataclasses
 import json
+import math
 import os
 
 import numpy as np
@@ -30,6 +50,13 @@ class DatasetSpec:
     # by a fixed hash of the example index (disjoint, stable across runs).
     holdout_fraction: float = 0.0
     variable_size: bool = False                 # images need resizing to one size
+    # TFRecords (`tfrecord:` names): the training files' pattern, and the validation
+    # files' when they are separate files (then nothing is held out of the training files).
+    tfrecord_pattern: str = ""
+    eval_pattern: str = ""
+    # Records without an index (the codelab's files): hold out whole files instead, the
+    # last ceil(holdout_fraction x files) of the sorted files (see split_files).
+    holdout_files: bool = False
 
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog",
@@ -61,11 +88,14 @@ def names() -> tuple[str, ...]:
 
 TFRECORD_PREFIX = "tfrecord:"
 TFRECORD_METADATA = "dataset.json"  # written beside the shards by data.make_tfrecords
+TFRECORD_SYNTAX = "tfrecord:TRAIN_PATTERN[;eval=EVAL_PATTERN][;classes=N]"
+_TFRECORD_OPTIONS = ("eval", "classes")
+DEFAULT_HOLDOUT = _SPECS["tf_flowers"].holdout_fraction  # files without a dataset.json
 
 
 def get_spec(name: str) -> DatasetSpec:
-    """A dataset from the table, or `tfrecord:PATTERN` (described by the dataset.json
-    that data.make_tfrecords writes beside the files)."""
+    """A dataset from the table, or a TFRecord dataset (TFRECORD_SYNTAX, described in
+    the module docstring)."""
     if name.startswith(TFRECORD_PREFIX):
         return _tfrecord_spec(name)
     if name not in _SPECS:
@@ -74,24 +104,156 @@ def get_spec(name: str) -> DatasetSpec:
     return _SPECS[name]
 
 
+def parse_tfrecord_name(name: str) -> tuple[str, dict[str, str]]:
+    """'tfrecord:P;eval=E;classes=N' -> ('P', {'eval': 'E', 'classes': 'N'})."""
+    pattern, *parts = name[len(TFRECORD_PREFIX):].split(";")
+    if not pattern:
+        raise DatasetError(f"dataset {name!r} has no file pattern; write {TFRECORD_SYNTAX}")
+    options: dict[str, str] = {}
+    for part in parts:
+        key, equals, value = part.partition("=")
+        if key not in _TFRECORD_OPTIONS or not equals or not value or key in options:
+            raise DatasetError(f"dataset {name!r}: {part!r} is not eval=EVAL_PATTERN or "
+                               f"classes=N (each once); write {TFRECORD_SYNTAX}")
+        options[key] = value
+    if "classes" in options and not (options["classes"].isdigit()
+                                     and int(options["classes"]) > 0):
+        raise DatasetError(f"dataset {name!r}: classes={options['classes']} is not a "
+                           f"positive whole number; write {TFRECORD_SYNTAX}")
+    return pattern, options
+
+
+def _read_metadata(path: str) -> dict | None:
+    if not tf.io.gfile.exists(path):
+        return None
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            meta = json.load(f)
+        meta["class_names"] = [str(name) for name in meta["class_names"]]
+    except (ValueError, KeyError, TypeError) as err:
+        raise DatasetError(f"{path} is not a dataset description with a class_names list "
+                           f"({type(err).__name__}); rewrite it with python -m "
+                           f"data.make_tfrecords, or delete it") from err
+    return meta
+
+
+def _kind(features, key: str) -> str | None:
+    return features[key].WhichOneof("kind") if key in features else None
+
+
 def _tfrecord_spec(name: str) -> DatasetSpec:
-    pattern = name[len(TFRECORD_PREFIX):]
-    path = os.path.join(os.path.dirname(pattern), TFRECORD_METADATA)
-    if not os.path.exists(path):
-        raise DatasetError(f"no {TFRECORD_METADATA} beside {pattern!r}: write the files "
-                           f"with python -m data.make_tfrecords")
-    with open(path) as f:
-        meta = json.load(f)
-    if not 0 < float(meta.get("holdout_fraction", 0.15)) < 1:
-        raise DatasetError(f"{path}: holdout_fraction must be in (0, 1): the validation "
-                           f"set is held out of the same files")
-    base = _SPECS.get(meta.get("source", ""), _SPECS["tf_flowers"])
-    size = int(meta.get("image_size") or base.image_shape[0])
+    pattern, options = parse_tfrecord_name(name)
+    meta_path = os.path.join(tfrecords.directory(pattern), TFRECORD_METADATA)
+    meta = _read_metadata(meta_path)
+    # No files is fine beside a dataset.json: predict reads a run's kept description.
+    paths = _glob(pattern)
+    if meta is None and not paths:
+        raise DatasetError(f"no {TFRECORD_METADATA} beside {pattern!r} and no TFRecord "
+                           f"files match it: check the path, or write them with python -m "
+                           f"data.make_tfrecords")
+    eval_pattern = options.get("eval", "")
+    if eval_pattern:
+        shared = set(paths) & set(tfrecords.files(eval_pattern))
+        if shared:
+            raise DatasetError(f"{min(shared)} matches both the training pattern and "
+                               f"eval={eval_pattern}: the two must name different files")
+    override = int(options["classes"]) if "classes" in options else None
+    if meta is None:
+        for path in paths:  # fail now, naming the file, if a name carries no count
+            tfrecords.record_count(path)
+        features = tfrecords.first_example(paths[0]).features.feature
+        if _kind(features, "image") != "bytes_list" or _kind(features, "class") != (
+                "int64_list"):
+            raise DatasetError(f"{paths[0]}: the records have features {sorted(features)}, "
+                               f"not an image (bytes) and a class (int64) as the flowers "
+                               f"codelab and python -m data.make_tfrecords write them")
+        base = _SPECS["tf_flowers"]
+        class_names = _class_names(paths, features, override)
+        size = _image_size(paths[0], features)
+        fraction, has_index = DEFAULT_HOLDOUT, "index" in features
+    else:
+        base = _SPECS.get(meta.get("source", ""), _SPECS["tf_flowers"])
+        class_names = tuple(meta["class_names"])
+        if override is not None and override != len(class_names):
+            raise DatasetError(f"classes={override} in {name!r}, but {meta_path} names "
+                               f"{len(class_names)} classes: drop one of them")
+        size = int(meta.get("image_size") or base.image_shape[0])
+        fraction = float(meta.get("holdout_fraction", DEFAULT_HOLDOUT))
+        has_index = _has_index(paths)
+    if not eval_pattern and not 0 < fraction < 1:
+        raise DatasetError(f"{meta_path}: holdout_fraction must be in (0, 1): the "
+                           f"validation set is held out of the same files (or give "
+                           f";eval=EVAL_PATTERN)")
+    if not eval_pattern and not has_index:
+        split_files(paths, fraction, pattern)  # refuses a single file now, not mid-run
     return dataclasses.replace(
-        base, name=name, num_classes=len(meta["class_names"]),
-        class_names=tuple(meta["class_names"]), image_shape=(size, size, 3),
-        train_split="train", eval_split="validation",
-        holdout_fraction=float(meta.get("holdout_fraction", 0.15)), variable_size=True)
+        base, name=name, num_classes=len(class_names), class_names=class_names,
+        image_shape=(size, size, 3), train_split="train", eval_split="validation",
+        holdout_fraction=0.0 if eval_pattern else fraction, variable_size=True,
+        tfrecord_pattern=pattern, eval_pattern=eval_pattern,
+        holdout_files=not eval_pattern and not has_index)
+
+
+def _glob(pattern: str) -> list[str]:
+    try:
+        return tfrecords.files(pattern)
+    except DatasetError:
+        return []
+
+
+def _has_index(paths: list[str]) -> bool:
+    """Whether the records beside a dataset.json carry an index (ours do). Without
+    readable files, yes: a broken file is named when it is read (explain_read_error)."""
+    countable = [path for path in paths if tfrecords.has_count(path)]
+    if not countable:
+        return True
+    try:
+        return "index" in tfrecords.first_example(countable[0]).features.feature
+    except DatasetError:
+        return True
+
+
+def _class_names(paths: list[str], features, override: int | None) -> tuple[str, ...]:
+    """Codelab files: the class count from `classes=N` or the one-hot length, else the
+    largest class id seen; each class's name from its records' `label`."""
+    one_hot = _kind(features, "one_hot_class") == "float_list" and len(
+        features["one_hot_class"].float_list.value)
+    num_classes = override or one_hot or None
+    if num_classes and _kind(features, "label") != "bytes_list":
+        return tuple(str(i) for i in range(num_classes))
+    seen = tfrecords.scan_classes(paths, num_classes)
+    if num_classes is None:
+        num_classes = max(seen) + 1
+        if num_classes < 1:
+            raise DatasetError(f"{paths[0]}: class ids must be 0, 1, ...; found "
+                               f"{sorted(seen)[:5]}")
+    return tuple(seen.get(i) or str(i) for i in range(num_classes))
+
+
+def _image_size(path: str, features) -> int:
+    """The square size to train at: the first record's `size` [height, width], else its
+    decoded image's (the larger side, when not square)."""
+    size = list(features["size"].int64_list.value) if _kind(features, "size") else []
+    if len(size) != 2 or min(size) < 1:
+        try:
+            size = tfrecords.decode_image(features["image"].bytes_list.value[0]).shape[:2]
+        except tf.errors.InvalidArgumentError as err:
+            raise DatasetError(f"{path}: the first record's image cannot be decoded "
+                               f"(JPEG, PNG, GIF or BMP bytes expected)") from err
+    return int(max(size))
+
+
+def split_files(paths: list[str], fraction: float,
+                pattern: str) -> tuple[list[str], list[str]]:
+    """(training files, held-out files) for records without an index: the last
+    ceil(fraction x files) of the sorted files, at least one and never all."""
+    if len(paths) < 2:
+        raise DatasetError(f"{pattern!r} matches one file whose records have no index "
+                           f"feature, so no validation set can be held out of it: add "
+                           f";eval=EVAL_PATTERN, or write the data in several files")
+    paths = sorted(paths)
+    held = min(max(1, math.ceil(fraction * len(paths))), len(paths) - 1)
+    return paths[:-held], paths[-held:]
 
 
 def load(spec: DatasetSpec, split: str, data_dir: str | None = None,
@@ -110,9 +272,8 @@ def load(spec: DatasetSpec, split: str, data_dir: str | None = None,
         size = spec.synthetic_sizes[1 if validation else 0]
         ds = synthetic(spec, size, seed=1 if validation else 0)
         return ds.shard(pipelines, worker), size
-    if spec.name.startswith(TFRECORD_PREFIX):
-        ds, total = tfrecords.load(spec.name[len(TFRECORD_PREFIX):], pipelines, worker)
-        return holdout(ds, total, spec.holdout_fraction, validation)
+    if spec.tfrecord_pattern:
+        return _load_tfrecords(spec, validation, pipelines, worker)
     if spec.holdout_fraction:
         ds, total = load_tfds(spec.name, spec.train_split, data_dir, download)
         ds = ds.enumerate().map(lambda index, example: (*example, index))
@@ -123,11 +284,48 @@ def load(spec: DatasetSpec, split: str, data_dir: str | None = None,
     return ds.shard(pipelines, worker), count
 
 
+def _load_tfrecords(spec: DatasetSpec, validation: bool, pipelines: int,
+                    worker: int) -> tuple[tf.data.Dataset, int]:
+    if not spec.eval_pattern and not spec.holdout_files:  # by index, as from TFDS
+        ds, total = tfrecords.load(spec.tfrecord_pattern, pipelines, worker)
+        return holdout(ds, total, spec.holdout_fraction, validation)
+    if spec.eval_pattern:
+        paths = tfrecords.files(spec.eval_pattern if validation else spec.tfrecord_pattern)
+    else:
+        train, held = split_files(tfrecords.files(spec.tfrecord_pattern),
+                                  spec.holdout_fraction, spec.tfrecord_pattern)
+        paths = held if validation else train
+    # Whole files: the count from their names is exact.
+    ds, count = tfrecords.load_files(paths, pipelines, worker)
+    return ds.map(lambda image, label, index: (image, label)), count
+
+
 def explain_read_error(spec: DatasetSpec) -> str | None:
     """After a failed read: which file is broken, if it can be found (TFRecords)."""
-    if spec.name.startswith(TFRECORD_PREFIX):
-        return tfrecords.find_corrupt(spec.name[len(TFRECORD_PREFIX):])
+    for pattern in (spec.tfrecord_pattern, spec.eval_pattern):
+        culprit = pattern and tfrecords.find_corrupt(pattern)
+        if culprit:
+            return culprit
     return None
+
+
+def save_description(spec: DatasetSpec, directory: str) -> str:
+    """Writes a TFRecord dataset's dataset.json into `directory` (e.g. a run's model_dir,
+    so predict needs no data files): the one beside the files if there is one, else one
+    made from the spec (codelab files have none). Returns its path."""
+    if not spec.tfrecord_pattern:
+        raise ValueError(f"{spec.name} is not a TFRecord dataset: it has no dataset.json")
+    path = os.path.join(directory, TFRECORD_METADATA)
+    beside = os.path.join(tfrecords.directory(spec.tfrecord_pattern), TFRECORD_METADATA)
+    if tf.io.gfile.exists(beside):
+        tf.io.gfile.copy(beside, path, overwrite=True)
+        return path
+    meta = {"source": "", "class_names": list(spec.class_names),
+            "image_size": spec.image_shape[0],
+            "holdout_fraction": spec.holdout_fraction or DEFAULT_HOLDOUT}
+    with tf.io.gfile.GFile(path, "w") as f:
+        json.dump(meta, f, indent=2)
+    return path
 
 
 HOLDOUT_SEED = 20260101  # fixed: every run and every seed uses the same validation set

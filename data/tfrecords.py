@@ -1,15 +1,21 @@
 """TFRecords in the flowers codelab's format: one tf.train.Example per image with the
-encoded image bytes, the integer class and the class name, sharded into files whose
-names carry their record count (`flowers00-230.tfrec`), so nothing has to be read to
-count them. We also store the example's index in its source, so a held-out split
-made by index (data.sources.in_holdout) is the same from TFDS and from TFRecords.
+encoded image bytes (`image`), the integer class (`class`), the class name (`label`),
+the image's [height, width] (`size`) and the one-hot class (`one_hot_class`), sharded
+into files whose names carry their record count (`flowers00-230.tfrec`), so nothing
+has to be read to count them. We also store the example's index in its source
+(`index`), so a held-out split made by index (data.sources.in_holdout) is the same
+from TFDS and from TFRecords; the codelab's own files have no index.
+
+Every path goes through tf.io.gfile, so `gs://bucket/...` (and TensorFlow's in-memory
+`ram://...`) works wherever a local path does.
 """
-import glob
 import math
 import os
+import posixpath
 import re
 from typing import Iterable
 
+from google.protobuf.message import DecodeError
 import tensorflow as tf
 
 from data.errors import DatasetError
@@ -21,10 +27,24 @@ FEATURES = {
     "index": tf.io.FixedLenFeature([], tf.int64, default_value=-1),
 }
 _COUNT = re.compile(r"-(\d+)\.tfrec$")
+SCAN_LIMIT = 10_000  # records read at most to find class names (and counts) in the files
+
+
+def directory(path: str) -> str:
+    """os.path.dirname that keeps a URL's root: os.path.dirname('ram://x') is 'ram:',
+    a local relative path, where this gives 'ram://' ('gs://b/x' -> 'gs://b')."""
+    scheme, separator, rest = path.partition("://")
+    if not separator:
+        return os.path.dirname(path)
+    return scheme + separator + posixpath.dirname(rest)
 
 
 def shard_path(prefix: str, shard: int, count: int) -> str:
     return f"{prefix}{shard:02d}-{count}.tfrec"
+
+
+def has_count(path: str) -> bool:
+    return bool(_COUNT.search(path))
 
 
 def record_count(path: str) -> int:
@@ -35,21 +55,37 @@ def record_count(path: str) -> int:
     return int(match.group(1))
 
 
-def serialize(image_bytes: bytes, class_id: int, class_name: str, index: int) -> bytes:
+def _bytes(*values: bytes) -> tf.train.Feature:
+    return tf.train.Feature(bytes_list=tf.train.BytesList(value=values))
+
+
+def _ints(*values: int) -> tf.train.Feature:
+    return tf.train.Feature(int64_list=tf.train.Int64List(value=values))
+
+
+def serialize(image_bytes: bytes, class_id: int, class_name: str, index: int,
+              num_classes: int, size: tuple[int, int]) -> bytes:
+    """One record with the codelab's five features (`size` is [height, width]) plus our
+    `index`, so a reader written the codelab's way reads our files."""
+    one_hot = [0.0] * num_classes
+    one_hot[class_id] = 1.0
     feature = {
-        "image": tf.train.Feature(bytes_list=tf.train.BytesList(value=[image_bytes])),
-        "class": tf.train.Feature(int64_list=tf.train.Int64List(value=[class_id])),
-        "label": tf.train.Feature(bytes_list=tf.train.BytesList(
-            value=[class_name.encode()])),
-        "index": tf.train.Feature(int64_list=tf.train.Int64List(value=[index])),
+        "image": _bytes(image_bytes),
+        "class": _ints(class_id),
+        "label": _bytes(class_name.encode()),
+        "size": _ints(*size),
+        "one_hot_class": tf.train.Feature(float_list=tf.train.FloatList(value=one_hot)),
+        "index": _ints(index),
     }
     return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
 
 
 def write_shards(records: Iterable[bytes], total: int, prefix: str,
                  num_shards: int) -> list[str]:
-    """Writes serialized examples round-robin-free, in order, into `num_shards` files."""
-    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    """Writes serialized examples, in order, into `num_shards` files."""
+    parent = directory(prefix)
+    if parent:
+        tf.io.gfile.makedirs(parent)
     per_shard = math.ceil(total / num_shards)
     paths, records = [], iter(records)
     for shard in range(num_shards):
@@ -78,7 +114,11 @@ def parse(record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
 
 
 def files(pattern: str) -> list[str]:
-    paths = sorted(glob.glob(pattern))
+    try:
+        paths = sorted(tf.io.gfile.glob(pattern))
+    except tf.errors.OpError as err:  # e.g. a bucket that is not there or not readable
+        raise DatasetError(f"cannot list {pattern!r}: {err.message.splitlines()[0][:160]}"
+                           ) from err
     if not paths:
         raise DatasetError(f"no TFRecord files match {pattern!r}; check the path, or write "
                            f"them with python -m data.make_tfrecords")
@@ -87,13 +127,16 @@ def files(pattern: str) -> list[str]:
 
 def load(pattern: str, num_workers: int = 1,
          worker: int = 0) -> tuple[tf.data.Dataset, int]:
-    """(dataset of (image, class, index), total record count from the file names).
+    """(dataset of (image, class, index), total record count from the file names);
+    index is -1 in records without one (the codelab's)."""
+    return load_files(files(pattern), num_workers, worker)
 
-    Files are read in parallel (interleaved in a fixed order). With several input
-    workers each reads its own files when there are enough of them, else every
-    num_workers-th record.
-    """
-    paths = files(pattern)
+
+def load_files(paths: list[str], num_workers: int = 1,
+               worker: int = 0) -> tuple[tf.data.Dataset, int]:
+    """`load` of the given files. They are read in parallel (interleaved in a fixed
+    order). With several input workers each reads its own files when there are enough
+    of them, else every num_workers-th record."""
     total = sum(record_count(path) for path in paths)
     by_files = num_workers > 1 and len(paths) >= num_workers
     if by_files:
@@ -106,10 +149,48 @@ def load(pattern: str, num_workers: int = 1,
     return ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE), total
 
 
+def first_example(path: str) -> tf.train.Example:
+    """The first record of a file, as a proto (which features it has, and of what
+    kind). Raises a one-line DatasetError naming the file if it cannot be read."""
+    try:
+        for record in tf.data.TFRecordDataset(path).take(1):
+            return tf.train.Example.FromString(record.numpy())
+    except (tf.errors.OpError, DecodeError) as err:
+        raise DatasetError(corrupt_record([path]) or f"cannot read the first record of "
+                           f"{path}: {str(err).splitlines()[0][:120]}") from err
+    raise DatasetError(f"{path} holds no records; rewrite it or leave it out of the pattern")
+
+
+def scan_classes(paths: list[str], num_classes: int | None = None,
+                 limit: int = SCAN_LIMIT) -> dict[int, str]:
+    """class id -> class name ("" in records without a label), from the files' records
+    in order: until ids 0..num_classes-1 have all been seen, or `limit` records."""
+    spec = {"class": FEATURES["class"], "label": FEATURES["label"]}
+    ds = tf.data.TFRecordDataset(paths).take(limit).batch(64).map(
+        lambda records: tf.io.parse_example(records, spec))  # images are not decoded
+    names: dict[int, str] = {}
+    try:
+        for batch in ds:
+            for class_id, label in zip(batch["class"].numpy(), batch["label"].numpy()):
+                if not names.get(int(class_id)):  # a labelled record wins over one without
+                    names[int(class_id)] = label.decode(errors="replace")
+            if num_classes and all(i in names for i in range(num_classes)):
+                break
+    except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as err:
+        raise DatasetError(corrupt_record(paths) or f"cannot read the records of "
+                           f"{paths[0]} ...: {str(err).splitlines()[0][:120]}") from err
+    return names
+
+
 def find_corrupt(pattern: str) -> str | None:
     """Reads every record of every file (slow; call it only after a read failed) and
     returns a one-line description of the first unreadable record, or None."""
-    for path in files(pattern):
+    return corrupt_record(files(pattern))
+
+
+def corrupt_record(paths: list[str]) -> str | None:
+    """find_corrupt for a list of files."""
+    for path in paths:
         index = -1
         try:
             for index, record in enumerate(tf.data.TFRecordDataset(path)):

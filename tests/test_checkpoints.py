@@ -62,3 +62,63 @@ def test_unwritable_model_dir_is_a_clear_error(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(checkpoints.CheckpointError, match="choose a writable directory"):
         checkpoints.prepare_model_dir(str(blocker / "run"), {"model": "x"})
+
+
+def _truncate(model_dir: str, step: int) -> None:
+    data = [f for f in os.listdir(model_dir) if f.startswith(f"ckpt-{step}.data")][0]
+    path = os.path.join(model_dir, data)
+    with open(path, "rb") as f:
+        kept = f.read()[:100]
+    with open(path, "wb") as f:  # what a crash during a copy leaves
+        f.write(kept)
+
+
+def test_truncated_newest_checkpoint_is_named_and_the_run_resumes_before_it(
+        tiny_config, caplog):
+    import logging
+    loop.train_and_evaluate(tiny_config)  # checkpoints at steps 2 and 4
+    _truncate(tiny_config.model_dir, 4)
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        resumed = loop.train_and_evaluate(tiny_config.replace(train_steps=6))
+    assert resumed["resumed_from_step"] == 2 and resumed["steps"] == 6
+    assert "ckpt-4 is unreadable" in caplog.text
+    assert tf.train.latest_checkpoint(tiny_config.model_dir).endswith("ckpt-6")
+
+
+def test_no_readable_checkpoint_is_a_one_line_error(tiny_config):
+    loop.train_and_evaluate(tiny_config)
+    for step in (2, 4):
+        _truncate(tiny_config.model_dir, step)
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=r"no checkpoint in .* is readable \(ckpt-4, ckpt-2\)"):
+        loop.train_and_evaluate(tiny_config.replace(train_steps=6))
+
+
+def test_a_save_that_fails_leaves_no_temp_and_names_the_last_good_one(tmp_path):
+    import resource
+    import subprocess
+    import sys
+    from test_main import ROOT, TINY
+    model_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "trainer.main", *TINY, "--steps_per_loop=1",
+            "--checkpoint_every=2", f"--model_dir={model_dir}"]
+    first = subprocess.run([*args, "--train_steps=2"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    good = {name: (model_dir / name).read_bytes() for name in os.listdir(model_dir)
+            if name.startswith("ckpt-2")}
+
+    def small_files():  # a full disk: no file may grow past 64 KB (a checkpoint is ~330)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+
+    failed = subprocess.run([*args, "--train_steps=6"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, preexec_fn=small_files)
+    assert failed.returncode == 5, failed.stderr[-2000:]
+    last = failed.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: could not save the checkpoint of step 4 in {model_dir}")
+    assert "File too large" in last and f"last good checkpoint is {model_dir}/ckpt-2" in last
+    assert "Traceback" not in failed.stderr
+    assert not [name for name in os.listdir(model_dir) if name.endswith("_temp")]
+    for name, data in good.items():
+        assert (model_dir / name).read_bytes() == data
+    assert tf.train.latest_checkpoint(str(model_dir)).endswith("ckpt-2")

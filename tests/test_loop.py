@@ -66,3 +66,40 @@ def test_a_two_output_model_trains_with_its_auxiliary_loss_and_exports_logits(
     result = served.signatures["predict_images"](images=images)
     expected = trained.probabilities(list(images.numpy()))
     np.testing.assert_allclose(result["probabilities"].numpy(), expected, atol=1e-5)
+
+
+def test_a_whole_run_and_its_resume_on_a_bucket_like_filesystem(tmp_path, monkeypatch):
+    """TFRecords and --model_dir on TensorFlow's in-memory ram:// (standing in for
+    gs://): everything the run writes lands there, nothing on the local disk."""
+    import tempfile
+    import uuid
+    from data import make_tfrecords
+    from trainer.config import Config
+    monkeypatch.chdir(tmp_path)  # a "ram:" folder made by mistake would land here
+    bucket = f"ram://{uuid.uuid4().hex}"
+    rng = np.random.default_rng(0)
+    for label, name in enumerate(("cats", "dogs")):
+        for i in range(12):
+            tf.io.write_file(f"{bucket}/photos/{name}/{i}.png", tf.io.encode_png(
+                rng.integers(0, 255, (20, 20, 3), np.uint8)))
+    make_tfrecords.write(f"{bucket}/photos", f"{bucket}/data/pets", 16, 2, None)
+    config = Config(model="convnet", model_size="tiny", dataset=f"tfrecord:{bucket}/data/pets*",
+                    model_dir=f"{bucket}/run", batch_size=4, train_steps=4,
+                    steps_per_loop=2, log_every=2, eval_every=2, checkpoint_every=2,
+                    precision="float32", shuffle_buffer=16)
+    temp_before = set(os.listdir(tempfile.gettempdir()))
+    first = loop.train_and_evaluate(config)
+    resumed = loop.train_and_evaluate(config.replace(train_steps=6))
+    assert first["steps"] == 4 and resumed["resumed_from_step"] == 4
+    written = set(tf.io.gfile.listdir(config.model_dir))
+    for name in ("metrics.json", "run_config.json", "summary.png", "model.weights.h5",
+                 "best.weights.h5", "dataset.json", "checkpoint", "ckpt-6.index"):
+        assert name in written, name
+    assert tf.io.gfile.listdir(f"{config.model_dir}/train")  # TensorBoard events
+    with tf.io.gfile.GFile(f"{config.model_dir}/metrics.json") as f:
+        metrics = json.load(f)
+    assert metrics["steps"] == 6 and [r["step"] for r in metrics["eval_history"]] == [2, 4, 6]
+    assert os.listdir(tmp_path) == []
+    new_in_temp = set(os.listdir(tempfile.gettempdir())) - temp_before
+    # (TensorFlow's autograph caches the code it generates there, nothing of the run's)
+    assert not [n for n in new_in_temp if not n.startswith("__autograph_generated_file")]

@@ -87,6 +87,16 @@ def test_tpu_local_falls_back_with_a_warning_unless_required(tmp_path):
     assert result.returncode == 2 and "no TPU found at --tpu=local" in result.stderr
 
 
+def test_default_log_is_quiet_and_verbosity_1_brings_the_library_lines_back(tmp_path):
+    quiet = _main(*TINY, "--checkpoint_every=2", f"--model_dir={tmp_path}/a")
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert "Sharding callback" not in quiet.stderr  # TF's INFO at every checkpoint
+    assert "step 4/4" in quiet.stderr and "eval at step 4" in quiet.stderr
+    loud = _main(*TINY, "--checkpoint_every=2", "--verbosity=1", f"--model_dir={tmp_path}/b")
+    assert loud.returncode == 0, loud.stderr[-2000:]
+    assert "Sharding callback" in loud.stderr
+
+
 def test_helpfull_documents_every_flag_with_its_default():
     result = _main("--helpfull")  # absl exits with status 1 after printing help
     for name in REQUIRED_FLAGS:

@@ -85,3 +85,20 @@ def test_a_dead_worker_stops_the_others_and_a_restart_resumes(tmp_path):
     output = restart.communicate(timeout=400)[0]
     assert restart.returncode == 0, output[-3000:]
     assert f"at step {step}" in output
+
+
+def test_repeated_kills_of_random_workers_end_bitwise_like_no_kill(tmp_path):
+    """The short version of `trainer.tools.kill_resume` (BUILD.md runs it on real
+    CIFAR-10 with five kills): two kills at random moments, random workers."""
+    from trainer.tools import kill_resume
+    args = ["--model=cifar_cnn", "--model_size=tiny", "--dataset=synthetic",
+            "--batch_size=64", "--train_steps=160", "--steps_per_loop=1",
+            "--checkpoint_every=10", "--eval_every=160", "--deterministic",
+            "--shuffle_buffer=1024", "--mixup_alpha=0.2"]
+    said = []
+    kills, reference, killed = kill_resume.run(2, 2, str(tmp_path), args, max_wait=0.5,
+                                               seed=None, say=said.append)
+    assert len(kills) == 2, said
+    assert all(kill.checkpoint_at_kill > kill.resumed_from_step for kill in kills)
+    assert kills[1].resumed_from_step >= kills[0].checkpoint_at_kill > 0
+    assert reference == killed, said

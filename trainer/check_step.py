@@ -16,11 +16,12 @@ and so `grad_norm`, doubles), clipping before the cross-replica sum, a metric
 averaged per replica and then summed.
 """
 import dataclasses
-import os
 import sys
 from typing import Callable
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from trainer import cli
+
+cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 
 from absl import app, flags  # noqa: E402
 import keras  # noqa: E402
@@ -29,7 +30,7 @@ import tensorflow as tf  # noqa: E402
 
 from data import sources  # noqa: E402
 import models  # noqa: E402
-from trainer import cli, config as config_lib, distributed, inputs, loop  # noqa: E402
+from trainer import config as config_lib, distributed, inputs, loop  # noqa: E402
 from trainer import main as main_lib  # noqa: E402
 from trainer import optimizers, step  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402

@@ -3,10 +3,17 @@
 A run records its config in `run_config.json` beside the checkpoints. A new run on
 that directory must train the same model on the same data, or it stops before
 touching anything: a user's checkpoint is never overwritten by a different model.
+
+A bad disk loses at most the checkpoint it broke: an unreadable newest checkpoint
+(truncated by a crash during a copy, a full network disk) is named in a warning and
+the run resumes from the newest readable one; a save that fails (no space, no
+permission) leaves no temporary files and stops the run with one line naming the
+directory and the last good checkpoint (CheckpointSaveError).
 """
 import json
 import os
 
+from absl import logging
 import tensorflow as tf
 
 RUN_CONFIG = "run_config.json"
@@ -17,19 +24,32 @@ class CheckpointError(RuntimeError):
     """--model_dir cannot be used; the message says why and what to do."""
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the earlier ones are intact."""
+
+
+# What reading a truncated or corrupt checkpoint raises (a short data file gives a
+# Python IndexError, "Read less bytes than requested").
+_UNREADABLE = (IndexError, tf.errors.DataLossError, tf.errors.OutOfRangeError,
+               tf.errors.NotFoundError, tf.errors.InvalidArgumentError,
+               tf.errors.UnknownError)
+
+
 def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True) -> None:
-    """Creates model_dir (if writable) and checks any previous run in it matches."""
+    """Creates model_dir (if writable) and checks any previous run in it matches.
+    Any TensorFlow filesystem works (a local path, gs://..., ram://...)."""
     try:
-        os.makedirs(model_dir, exist_ok=True)
-    except OSError as err:
-        raise CheckpointError(f"cannot create --model_dir={model_dir}: {err.strerror}; "
+        tf.io.gfile.makedirs(model_dir)
+    except tf.errors.OpError as err:
+        reason = (err.message or "").rsplit(";", 1)[-1].strip()
+        raise CheckpointError(f"cannot create --model_dir={model_dir}: {reason}; "
                               f"choose a writable directory") from err
-    if not os.access(model_dir, os.W_OK | os.X_OK):
+    if "://" not in model_dir and not os.access(model_dir, os.W_OK | os.X_OK):
         raise CheckpointError(f"--model_dir={model_dir} is not writable; choose "
                               f"another directory")
     path = os.path.join(model_dir, RUN_CONFIG)
-    if os.path.exists(path):
-        with open(path) as f:
+    if tf.io.gfile.exists(path):
+        with tf.io.gfile.GFile(path) as f:
             previous = json.load(f)
         for key in _MUST_MATCH:
             if previous.get(key) != run_config.get(key):
@@ -38,7 +58,7 @@ def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True) -
                     f"{previous.get(key)!r}, not {run_config.get(key)!r}; use another "
                     f"--model_dir (the existing checkpoint is left untouched)")
     if is_chief:
-        with open(path, "w") as f:
+        with tf.io.gfile.GFile(path, "w") as f:
             json.dump(run_config, f, indent=2, sort_keys=True)
 
 
@@ -64,15 +84,65 @@ def make_manager(model_dir: str, checkpoint: tf.train.Checkpoint, keep: int,
     return tf.train.CheckpointManager(checkpoint, directory, max_to_keep=keep)
 
 
+def _candidates(model_dir: str) -> list[str]:
+    """The checkpoints listed in model_dir's index, newest first."""
+    state = tf.train.get_checkpoint_state(model_dir)
+    if state is None:
+        return []
+    paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
+    if state.model_checkpoint_path not in paths:
+        paths.append(state.model_checkpoint_path)
+    # The index may hold absolute paths of a directory that was moved: use names.
+    paths = [os.path.join(model_dir, os.path.basename(p)) for p in paths]
+    return sorted(paths, key=lambda p: int(p.rsplit("-", 1)[-1]), reverse=True)
+
+
 def restore_latest(checkpoint: tf.train.Checkpoint, model_dir: str) -> str | None:
-    """Restores the newest checkpoint in model_dir, if any; returns its path."""
-    path = tf.train.latest_checkpoint(model_dir)
-    if path is None:
-        return None
-    try:
-        checkpoint.restore(path).assert_existing_objects_matched()
-    except (AssertionError, ValueError, tf.errors.OpError) as err:
+    """Restores the newest readable checkpoint in model_dir, if any; returns its path.
+
+    An unreadable one is skipped with a warning naming it. A checkpoint of another
+    model, or none readable at all, is a one-line CheckpointError.
+    """
+    candidates = _candidates(model_dir)
+    for path in candidates:
+        try:
+            checkpoint.restore(path).assert_existing_objects_matched()
+        except (AssertionError, ValueError) as err:
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model ({str(err).splitlines()[0]}); "
+                f"use another --model_dir (the checkpoint is left untouched)") from err
+        except _UNREADABLE as err:
+            logging.warning("checkpoint %s is unreadable (%s: %s); trying the one "
+                            "before it", path, type(err).__name__,
+                            str(err).splitlines()[0][:200] if str(err) else "")
+            continue
+        if path != candidates[0]:
+            logging.warning("resuming from %s, the newest readable checkpoint", path)
+        return path
+    if candidates:
+        names = ", ".join(os.path.basename(p) for p in candidates)
         raise CheckpointError(
-            f"checkpoint {path} does not fit this model ({str(err).splitlines()[0]}); "
-            f"use another --model_dir (the checkpoint is left untouched)") from err
-    return path
+            f"no checkpoint in {model_dir} is readable ({names}); restore them from a "
+            f"backup, or use another --model_dir to start afresh")
+    return None
+
+
+def save(manager: tf.train.CheckpointManager, step: int) -> None:
+    """Saves a checkpoint of `step`. On failure (no space, no permission, ...) the
+    half-written `*_temp` directory is removed and CheckpointSaveError names the
+    directory and the last good checkpoint, which is untouched."""
+    try:
+        manager.save(checkpoint_number=step)
+    except (tf.errors.OpError, OSError) as err:
+        directory = manager.directory
+        for name in tf.io.gfile.listdir(directory) if tf.io.gfile.isdir(directory) else []:
+            if name.rstrip("/").endswith("_temp"):
+                tf.io.gfile.rmtree(os.path.join(directory, name))
+        last = manager.latest_checkpoint
+        # "{{function_node ...}} /dir/ckpt-4_temp/...; File too large" -> the cause
+        message = (getattr(err, "message", None) or str(err)).splitlines()[0]
+        reason = message.split("}}")[-1].rsplit(";", 1)[-1].strip()[:160]
+        raise CheckpointSaveError(
+            f"could not save the checkpoint of step {step} in {directory} ({reason}); "
+            f"the last good checkpoint is {last or 'none'}: free space or fix the "
+            f"permissions, then rerun the same command to resume from it") from err

@@ -7,6 +7,7 @@ per field, so a new setting is one field here (and its use where it matters, e.g
 """
 import dataclasses
 import os
+import re
 from typing import Any
 
 from absl import flags
@@ -42,7 +43,9 @@ class Config:
     model: str = _("cifar_cnn", f"Model: {_choices(models.names())}.")
     model_size: str = _("full", "full|tiny (tiny: the small test variant).")
     dataset: str = _("cifar10", f"Dataset: {_choices(sources.names())}, or "
-                     "tfrecord:PATTERN.")
+                     "'tfrecord:PATTERN[;eval=EVAL_PATTERN][;classes=N]' (TFRecords in "
+                     "the flowers codelab's format, local or gs://; without eval= a "
+                     "fixed part is held out).")
     image_size: int = _(0, "Train and evaluate at this square size (0: the dataset's own).")
     weights: str = _("none", "Initial weights: none | imagenet (xception, downloads) | "
                      "PATH (a .weights.h5 of the same model, or for xception Keras' "
@@ -145,6 +148,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 
 def default_model_dir(model: str, dataset: str) -> str:
+    """runs/<model>_<dataset>; for TFRecords, the data folder's name (not its path)."""
+    if dataset.startswith("tfrecord:"):
+        pattern = dataset[len("tfrecord:"):].split(";")[0].rstrip("/")
+        folder = pattern.rsplit("/", 2)[-2] if pattern.count("/") else "data"
+        dataset = "tfrecord_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", folder)
     return os.path.join("runs", f"{model}_{dataset}")
 
 

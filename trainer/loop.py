@@ -77,9 +77,9 @@ def plot_schedule(config: Config) -> str:
     plan = Plan.make(config, *counts(config, sources.get_spec(config.dataset)),
                      num_replicas=config.cpu_replicas)
     schedule = make_schedule(config, plan)
-    os.makedirs(config.model_dir, exist_ok=True)
+    tf.io.gfile.makedirs(config.model_dir)
     path = os.path.join(config.model_dir, "lr_schedule.png")
-    with open(path, "wb") as f:
+    with tf.io.gfile.GFile(path, "wb") as f:
         f.write(figures.png_bytes(figures.schedule(
             schedules.sample_points(schedule, 200), plan.steps_per_epoch,
             f"{config.lr_schedule} schedule: {config.model} on {config.dataset}, "
@@ -184,6 +184,7 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     multi_worker = strategy_lib.is_multi_worker(strategy)
 
     def record_evaluation(at_step: int) -> None:
+        best_before = recorder.best().get("best_test_accuracy", -1.0)
         result = evaluate()
         raw = (f"  (raw weights: {result['test_accuracy_raw']:.4f})"
                if "test_accuracy_raw" in result else "")
@@ -194,6 +195,10 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
         recorder.eval({"step": at_step, "epoch": at_step / plan.steps_per_epoch,
                        "wall_seconds": wall.elapsed(),
                        "train_seconds": progress.train_seconds, **result})
+        if is_chief and result["test_accuracy"] > best_before:  # keep the best weights
+            with averaging.averaged_weights(optimizer):  # (those just evaluated)
+                model.save_weights(os.path.join(config.model_dir,
+                                                inference.BEST_WEIGHTS_FILE))
 
     # --- Train: in-graph loops of up to steps_per_loop steps --------------------------
     every = {"eval": config.eval_every or plan.steps_per_epoch,
@@ -228,7 +233,7 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
             progress.show(current, learning_rate)
             # One worker alone cannot stop: in multi-worker runs, wait for the sum.
             if float(stop_requested) > 0 or (sigterm.requested and not multi_worker):
-                manager.save(checkpoint_number=current)
+                checkpoints.save(manager, current)
                 recorder.save()
                 raise faults.Preempted(f"preempted (SIGTERM): saved a checkpoint at step "
                                        f"{current} in {config.model_dir}; run the same "
@@ -241,7 +246,7 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
                 record_evaluation(current)
                 evaluated = current == plan.total_steps
             if due("checkpoint"):
-                manager.save(checkpoint_number=current)
+                checkpoints.save(manager, current)
                 recorder.save()
         if not evaluated:  # e.g. resumed after the last step: the pictures need one
             record_evaluation(current)
@@ -252,7 +257,6 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     with averaging.averaged_weights(optimizer):
         metrics = {
             **history[-1],
-            "best_test_accuracy": max(e["test_accuracy"] for e in history),
             **{k: v for k, v in last_train.items() if k.startswith("train_")},
             "train_seconds": history[-1]["train_seconds"],
             "images_per_second": progress.images_per_second(current),

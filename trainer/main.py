@@ -4,20 +4,23 @@ Parses the flags (one per trainer.config.Config field, plus --plot_schedule) int
 one frozen Config, validates it before any heavy work, and calls
 `loop.train_and_evaluate`. Exit status: 0 done; 2 bad settings or input (a one-line
 error on stderr, before training); 3 the loss diverged (last good checkpoint kept);
-4 a multi-worker run lost a worker (restart all to resume); 75 preempted by SIGTERM
+4 a multi-worker run lost a worker (restart all to resume); 5 a checkpoint could not
+be saved (disk full, no permission; the last good one is named and kept); 75
+preempted by SIGTERM
 (a checkpoint of the current step was saved: run the same command to resume).
 """
 import logging as std_logging
-import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # hide TF's C++ start-up chatter
+from trainer import cli
+
+cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 
 from absl import app, flags, logging  # noqa: E402
 
 from data import sources  # noqa: E402
 import models  # noqa: E402
-from trainer import checkpoints, cli, config as config_lib, faults, loop  # noqa: E402
+from trainer import checkpoints, config as config_lib, faults, loop  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -51,7 +54,8 @@ def main(argv: list[str]) -> None:
         print(f"error: unexpected arguments {argv[1:]}; flags look like --name=value",
               file=sys.stderr)
         sys.exit(2)
-    logging.set_verbosity(logging.INFO)
+    logging.set_verbosity(max(logging.INFO, FLAGS.verbosity))
+    cli.quiet_library_logs()
     # TF adds its own stderr handler when imported before absl's: every TF record
     # would print twice. absl's handler (on the root logger) prints them once.
     std_logging.getLogger("tensorflow").handlers.clear()
@@ -70,6 +74,9 @@ def main(argv: list[str]) -> None:
     except faults.TrainingDivergedError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(3)
+    except checkpoints.CheckpointSaveError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(5)
     except faults.PEER_FAILURES as err:
         if FLAGS.strategy != "multi_worker":
             raise

@@ -6,6 +6,7 @@ import os
 import time
 
 import numpy as np
+import tensorflow as tf
 
 from absl import logging
 
@@ -137,9 +138,9 @@ class Stopwatch:
 def write_json(path: str, values: dict) -> None:
     """Writes atomically: a crash mid-write never leaves a truncated file."""
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with tf.io.gfile.GFile(tmp, "w") as f:
         json.dump(values, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
 def weights_checksum(model) -> str:
@@ -168,7 +169,12 @@ def log_setup(config, spec, runtime, plan, precision: str, jit: bool, schedule,
                  f"{model.count_params():,}", config.dataset, plan.train_examples,
                  plan.eval_examples, plan.total_steps, plan.steps_per_epoch,
                  plan.total_steps / plan.steps_per_epoch)
-    if spec.holdout_fraction:
+    if spec.eval_pattern:
+        logging.info("Evaluation split: the files of %s", spec.eval_pattern)
+    elif spec.holdout_files:
+        logging.info("Evaluation split: the last %.0f%% of the files (at least one), the "
+                     "same every run; training uses the others", 100 * spec.holdout_fraction)
+    elif spec.holdout_fraction:
         logging.info("Evaluation split: a fixed %.0f%% of %s %r held out by a hash of the "
                      "example index (same every run); training uses the rest",
                      100 * spec.holdout_fraction, spec.name, spec.train_split)

@@ -7,6 +7,7 @@ import json
 import os
 
 from absl import logging
+import tensorflow as tf
 
 from trainer.output import figures, progress as reporting, summaries
 
@@ -68,14 +69,21 @@ class Recorder:
                 f"(best {metrics['best_test_accuracy']:.2%}), "
                 f"{metrics['train_seconds']:.0f} s of training")
             path = os.path.join(self.model_dir, SUMMARY_FILE)
-            with open(path, "wb") as f:
+            with tf.io.gfile.GFile(path, "wb") as f:
                 f.write(figures.png_bytes(fig))
             logging.info("Wrote %s, %s and TensorBoard summaries (tensorboard "
                          "--logdir=%s)", path, METRICS_FILE, self.model_dir)
         return metrics
 
+    def best(self) -> dict:
+        """The step and accuracy of the best evaluation so far (best.weights.h5)."""
+        if not self.eval_history:
+            return {}
+        best = max(self.eval_history, key=lambda r: r["test_accuracy"])
+        return {"best_step": best["step"], "best_test_accuracy": best["test_accuracy"]}
+
     def _write_metrics(self, values: dict) -> dict:
-        values = {**values, "eval_history": self.eval_history,
+        values = {**values, **self.best(), "eval_history": self.eval_history,
                   "train_history": self.train_history}
         if self.is_chief:
             reporting.write_json(os.path.join(self.model_dir, METRICS_FILE), values)
@@ -89,12 +97,12 @@ def _before(history: list[dict], step: int) -> list[dict]:
 def _previous_history(model_dir: str, start_step: int) -> tuple[list, list]:
     """The history up to `start_step` of the run being resumed (none for a new run)."""
     path = os.path.join(model_dir, METRICS_FILE)
-    if start_step == 0 or not os.path.exists(path):
+    if start_step == 0 or not tf.io.gfile.exists(path):
         return [], []
     try:
-        with open(path) as f:
+        with tf.io.gfile.GFile(path) as f:
             previous = json.load(f)
-    except (OSError, ValueError):
+    except (tf.errors.OpError, ValueError):
         logging.warning("could not read %s; the history restarts at step %d",
                         path, start_step)
         return [], []

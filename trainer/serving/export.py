@@ -70,7 +70,7 @@ def serving_functions(trained: inference.TrainedModel) -> dict:
 
 def export(model_dir: str, export_dir: str) -> str:
     """Writes the SavedModel of the run in model_dir; returns export_dir."""
-    if os.path.exists(export_dir) and os.listdir(export_dir):
+    if tf.io.gfile.exists(export_dir) and tf.io.gfile.listdir(export_dir):
         raise inference.InferenceError(f"--export_dir={export_dir} exists and is not "
                                        f"empty; choose a new directory")
     trained = inference.TrainedModel(model_dir)

@@ -5,7 +5,6 @@ size, then the dataset's normalization). Used by predict, export and the picture
 import dataclasses
 import json
 import os
-import shutil
 
 import keras
 import numpy as np
@@ -16,6 +15,7 @@ import models
 from trainer import checkpoints, step
 
 WEIGHTS_FILE = "model.weights.h5"
+BEST_WEIGHTS_FILE = "best.weights.h5"  # the weights of the best evaluation
 
 
 class InferenceError(RuntimeError):
@@ -57,10 +57,10 @@ class TrainedModel:
         config_path = os.path.join(model_dir, checkpoints.RUN_CONFIG)
         weights_path = os.path.join(model_dir, WEIGHTS_FILE)
         for path in (config_path, weights_path):
-            if not os.path.exists(path):
+            if not tf.io.gfile.exists(path):
                 raise InferenceError(f"{path} not found: --model_dir must be the "
                                      f"directory of a finished training run")
-        with open(config_path) as f:
+        with tf.io.gfile.GFile(config_path) as f:
             self.config = json.load(f)
         self.spec = _dataset_spec(self.config["dataset"], model_dir)
         self.image_size = self.config.get("image_size") or self.spec.image_shape[0]
@@ -88,15 +88,16 @@ def _dataset_spec(name: str, model_dir: str) -> sources.DatasetSpec:
     its model_dir at training time, so the data files need not be here."""
     if name.startswith(sources.TFRECORD_PREFIX):
         kept = os.path.join(model_dir, sources.TFRECORD_METADATA)
-        if os.path.exists(kept):
-            spec = sources.get_spec(sources.TFRECORD_PREFIX + os.path.join(model_dir, "*"))
+        if tf.io.gfile.exists(kept):
+            # A pattern with no files here: the description alone.
+            spec = sources.get_spec(sources.TFRECORD_PREFIX +
+                                    os.path.join(model_dir, "no-records-*.tfrec"))
             return dataclasses.replace(spec, name=name)
     return sources.get_spec(name)
 
 
 def keep_dataset_description(dataset: str, model_dir: str) -> None:
-    """Copies a TFRecord dataset's dataset.json into model_dir (see _dataset_spec)."""
+    """Keeps a TFRecord dataset's description (dataset.json) in model_dir, copied or,
+    for the codelab's files that have none, written from the data (see _dataset_spec)."""
     if dataset.startswith(sources.TFRECORD_PREFIX):
-        pattern = dataset[len(sources.TFRECORD_PREFIX):]
-        shutil.copyfile(os.path.join(os.path.dirname(pattern), sources.TFRECORD_METADATA),
-                        os.path.join(model_dir, sources.TFRECORD_METADATA))
+        sources.save_description(sources.get_spec(dataset), model_dir)

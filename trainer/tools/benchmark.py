@@ -274,7 +274,7 @@ def main(argv: list[str]) -> None:
     result["replicas"] = len(devices)
     print(markdown(result))
     if FLAGS.output:
-        with open(FLAGS.output, "w") as f:
+        with tf.io.gfile.GFile(FLAGS.output, "w") as f:
             json.dump(result, f, indent=2)
 
 

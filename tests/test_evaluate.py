@@ -1,0 +1,85 @@
+"""trainer.evaluate: a checkpoint evaluated apart from training, also following a
+running training job; the trainer keeps its best weights."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_main import ROOT, TINY, _main
+from trainer import evaluate, loop
+
+
+def _files(directory: str) -> dict[str, bytes]:
+    return {os.path.relpath(os.path.join(root, name), directory):
+            open(os.path.join(root, name), "rb").read()
+            for root, _, names in os.walk(directory) for name in names}
+
+
+def test_latest_checkpoint_scores_what_training_scored(tiny_config, tmp_path):
+    metrics = loop.train_and_evaluate(tiny_config)
+    before = _files(tiny_config.model_dir)
+    records = evaluate.evaluate_checkpoints(tiny_config.model_dir, str(tmp_path / "ev"))
+    assert len(records) == 1 and records[0]["step"] == 4
+    assert records[0]["test_accuracy"] == pytest.approx(metrics["test_accuracy"], abs=1e-6)
+    assert records[0]["test_examples"] == 2000
+    assert _files(tiny_config.model_dir) == before  # the trainer's files untouched
+    written = json.loads((tmp_path / "ev" / evaluate.EVALUATIONS_FILE).read_text())
+    assert written["evaluations"][0]["checkpoint"] == "ckpt-4"
+    assert os.listdir(tmp_path / "ev" / "eval")  # TensorBoard events
+    # An older checkpoint, by path.
+    older = evaluate.evaluate_checkpoints(
+        tiny_config.model_dir, str(tmp_path / "ev2"),
+        checkpoint=os.path.join(tiny_config.model_dir, "ckpt-2"))
+    assert older[0]["step"] == 2
+
+
+def test_best_weights_are_kept_with_their_step(tiny_config):
+    metrics = loop.train_and_evaluate(tiny_config.replace(train_steps=6, eval_every=2))
+    history = metrics["eval_history"]
+    best = max(history, key=lambda r: r["test_accuracy"])
+    assert metrics["best_step"] == best["step"]
+    assert metrics["best_test_accuracy"] == best["test_accuracy"]
+    assert os.path.exists(os.path.join(tiny_config.model_dir, "best.weights.h5"))
+
+
+def test_no_checkpoint_is_a_one_line_error(tmp_path):
+    run = _main(*TINY, "--train_steps=2", f"--model_dir={tmp_path}/run")
+    assert run.returncode == 0
+    for name in os.listdir(tmp_path / "run"):
+        if name.startswith("ckpt") or name == "checkpoint":
+            os.remove(tmp_path / "run" / name)
+    result = subprocess.run([sys.executable, "-m", "trainer.evaluate",
+                             f"--model_dir={tmp_path}/run"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: no checkpoint in")
+
+
+def test_watch_follows_a_running_training_to_its_end(tmp_path):
+    model_dir = tmp_path / "run"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "trainer.main", *TINY, "--train_steps=300",
+         "--steps_per_loop=5", "--checkpoint_every=50", "--eval_every=300",
+         "--keep_checkpoints=10", f"--model_dir={model_dir}"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (model_dir / "run_config.json").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    watcher = subprocess.run(
+        [sys.executable, "-m", "trainer.evaluate", f"--model_dir={model_dir}", "--watch",
+         "--timeout=120", f"--output_dir={tmp_path}/watch"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    trainer_err = trainer.communicate(timeout=300)[1]
+    assert trainer.returncode == 0, trainer_err[-2000:]
+    assert watcher.returncode == 0, watcher.stderr[-2000:]
+    records = json.loads((tmp_path / "watch" / evaluate.EVALUATIONS_FILE).read_text())
+    steps = [r["step"] for r in records["evaluations"]]
+    assert steps == sorted(steps) and len(steps) >= 2 and steps[-1] == 300
+    final = json.loads((model_dir / "metrics.json").read_text())
+    assert records["evaluations"][-1]["test_accuracy"] == pytest.approx(
+        final["test_accuracy"], abs=1e-6)
+    assert not (model_dir / "evaluator").exists()  # it wrote only to its --output_dir

@@ -1,0 +1,185 @@
+"""Evaluate a run's checkpoints apart from training:
+
+    python -m trainer.evaluate --model_dir=DIR                 # the latest checkpoint
+    python -m trainer.evaluate --model_dir=DIR --checkpoint=DIR/ckpt-40
+    python -m trainer.evaluate --model_dir=DIR --watch         # each new one, as written
+
+Rebuilds the run's model, optimizer (for --ema_decay's average) and evaluation from
+its run_config.json, restores a checkpoint and evaluates it exactly as training
+does (every test example once). With --watch it follows a training job, evaluating
+each checkpoint it writes (Model Garden's continuous evaluation; the seed's "train
+on the TPU, evaluate on the CPU"), until the run is done or no new checkpoint comes
+for --timeout seconds. It writes only to --output_dir (default DIR/evaluator):
+TensorBoard `eval` events and evaluations.json; the trainer's files are never
+touched. Exit status 0, or 2 with a one-line error.
+"""
+import json
+import os
+import sys
+import time
+
+from trainer import cli
+
+cli.set_native_log_level(sys.argv)  # before TensorFlow starts
+
+from absl import app, flags, logging  # noqa: E402
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from data import sources  # noqa: E402
+import models  # noqa: E402
+from trainer import averaging, checkpoints, distributed, evaluation, inputs  # noqa: E402
+from trainer import loop, optimizers, step  # noqa: E402
+from trainer import strategy as strategy_lib  # noqa: E402
+from trainer.config import Config  # noqa: E402
+from trainer.output import progress as progress_lib, summaries  # noqa: E402
+from trainer.output import recorder as recorder_lib  # noqa: E402
+
+FLAGS = flags.FLAGS
+EVALUATIONS_FILE = "evaluations.json"
+
+
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    cli.define(flag_values, flags.DEFINE_string, "model_dir", None,
+               "The training run's directory (its run_config.json and checkpoints).")
+    cli.define(flag_values, flags.DEFINE_string, "checkpoint", None,
+               "A checkpoint path (DIR/ckpt-N); default: the latest in --model_dir.")
+    cli.define(flag_values, flags.DEFINE_bool, "watch", False,
+               "Evaluate every new checkpoint as the training job writes it.")
+    cli.define(flag_values, flags.DEFINE_integer, "timeout", 600,
+               "--watch: stop after this many seconds without a new checkpoint.")
+    cli.define(flag_values, flags.DEFINE_string, "output_dir", None,
+               "Where the evaluator writes (default: <model_dir>/evaluator).")
+    cli.define(flag_values, flags.DEFINE_string, "data_dir", None,
+               "TFDS data dir, if not the training run's.")
+
+
+class Evaluator:
+    """The run's model and evaluation, built once; evaluate(path) per checkpoint."""
+
+    def __init__(self, model_dir: str, data_dir: str | None = None):
+        path = os.path.join(model_dir, checkpoints.RUN_CONFIG)
+        if not tf.io.gfile.exists(path):
+            raise checkpoints.CheckpointError(
+                f"{path} not found: --model_dir must be a training run's directory")
+        with tf.io.gfile.GFile(path) as f:
+            config = Config(**json.load(f))
+        self.config = config = config.replace(data_dir=data_dir or config.data_dir)
+        runtime = strategy_lib.create("one_device")  # the evaluator's own device
+        self.strategy = strategy = runtime.strategy
+        precision = strategy_lib.resolve_precision(config.precision, runtime.device_kind,
+                                                   config.deterministic)
+        keras.mixed_precision.set_global_policy(precision)
+        spec = sources.get_spec(config.dataset)
+        self.plan = plan = loop.Plan.make(config, *loop.counts(config, spec), 1)
+        with strategy.scope():
+            self.model = models.build(config.model, spec.num_classes,
+                                      inputs.image_shape(config, spec),
+                                      tiny=config.model_size == "tiny")
+            # The optimizer too: --ema_decay's average lives in it.
+            self.optimizer = optimizers.create(
+                config.optimizer, loop.make_schedule(config, plan),
+                self.model.trainable_variables, config.weight_decay, config.momentum,
+                precision, config.ema_decay)
+            self.checkpoint = checkpoints.training_checkpoint(self.model, self.optimizer)
+        options = step.StepOptions.from_config(config, confusion_classes=(
+            spec.num_classes if spec.num_classes <= evaluation.MAX_CONFUSION_CLASSES else 0))
+        model = self.model
+        self.eval_loop = distributed.make_eval_loop(
+            strategy, lambda batch: step.eval_step(model, batch, options))
+        self.eval_dataset = strategy.distribute_datasets_from_function(
+            inputs.eval_input_fn(config, spec))
+
+    def evaluate(self, checkpoint_path: str) -> dict:
+        """The metrics of one checkpoint (its step from optimizer.iterations)."""
+        self.checkpoint.restore(checkpoint_path).assert_existing_objects_matched()
+        result = averaging.evaluate_raw_and_averaged(
+            lambda: evaluation.evaluate(self.eval_loop, self.eval_dataset,
+                                        self.plan.eval_steps), self.optimizer)
+        step_number = int(self.optimizer.iterations.numpy())
+        return {"step": step_number, "epoch": step_number / self.plan.steps_per_epoch,
+                "checkpoint": os.path.basename(checkpoint_path),
+                **{k: v for k, v in result.items() if k != "confusion"}}
+
+
+def _run_done(model_dir: str) -> bool:
+    """The training run has finished (its metrics.json says so)."""
+    path = os.path.join(model_dir, recorder_lib.METRICS_FILE)
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            return json.load(f).get("status") == "done"
+    except (tf.errors.OpError, ValueError):
+        return False
+
+
+def evaluate_checkpoints(model_dir: str, output_dir: str, checkpoint: str | None = None,
+                         watch: bool = False, timeout: int = 600,
+                         data_dir: str | None = None) -> list[dict]:
+    """Evaluates one checkpoint, or (watch) each new one; returns the records, also
+    written to output_dir/evaluations.json and as TensorBoard events."""
+    evaluator = Evaluator(model_dir, data_dir)
+    tf.io.gfile.makedirs(output_dir)
+    writer = summaries.Writer(output_dir)
+    records: list[dict] = []
+
+    def record(path: str) -> None:
+        try:
+            result = evaluator.evaluate(path)
+        except (tf.errors.NotFoundError, IndexError, tf.errors.DataLossError) as err:
+            # Deleted by the trainer's max_to_keep, or unreadable: skip it.
+            logging.warning("skipped %s: %s", path, str(err).splitlines()[0][:200])
+            return
+        logging.info("%s (step %d, epoch %.2f): test loss %.4f  test accuracy %.4f  "
+                     "(%d examples)", result["checkpoint"], result["step"],
+                     result["epoch"], result["test_loss"], result["test_accuracy"],
+                     result["test_examples"])
+        records.append(result)
+        writer.eval(result, {}, ())
+        progress_lib.write_json(os.path.join(output_dir, EVALUATIONS_FILE),
+                                {"model_dir": model_dir, "evaluations": records})
+
+    if not watch:
+        path = checkpoint or tf.train.latest_checkpoint(model_dir)
+        if path is None:
+            raise checkpoints.CheckpointError(f"no checkpoint in {model_dir} yet; train "
+                                              f"first, or pass --watch to wait for one")
+        record(path)
+    else:
+        logging.info("Watching %s for new checkpoints (stop: the run is done, or %d s "
+                     "without a new one)", model_dir, timeout)
+        last_new = time.time()
+
+        def stop_waiting() -> bool:  # asked after 2 s without a new checkpoint
+            return _run_done(model_dir) or time.time() - last_new > timeout
+
+        for path in tf.train.checkpoints_iterator(model_dir, min_interval_secs=1,
+                                                  timeout=2, timeout_fn=stop_waiting):
+            record(path)
+            last_new = time.time()
+    writer.close()
+    return records
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
+        sys.exit(2)
+    logging.set_verbosity(max(logging.INFO, FLAGS.verbosity))
+    cli.quiet_library_logs()
+    if not FLAGS.model_dir:
+        print("error: --model_dir is required: the training run's directory",
+              file=sys.stderr)
+        sys.exit(2)
+    output_dir = FLAGS.output_dir or os.path.join(FLAGS.model_dir, "evaluator")
+    try:
+        records = evaluate_checkpoints(FLAGS.model_dir, output_dir, FLAGS.checkpoint,
+                                       FLAGS.watch, FLAGS.timeout, FLAGS.data_dir)
+    except (checkpoints.CheckpointError, sources.DatasetError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(f"evaluated {len(records)} checkpoint(s); wrote {output_dir}")
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main, flags_parser=cli.parse_flags)
