@@ -34,8 +34,22 @@ def wants_all_logs(argv: list[str]) -> bool:
 def set_native_log_level(argv: list[str]) -> None:
     """Call before TensorFlow is imported: its C++ warnings (a cache "not fully
     read" at every evaluation, "GeneratorDatasetOp will not be optimized" every
-    epoch) only with --verbosity=1; errors always."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if wants_all_logs(argv) else "2")
+    epoch) only with --verbosity=1; errors always. TensorFlow's start-up lines
+    (oneDNN notice, CUDA probing on a machine without GPUs), which no log level
+    hides, are dropped by importing it with the native stderr muted."""
+    verbose = wants_all_logs(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if verbose else "2")
+    if verbose or "tensorflow" in sys.modules:
+        return
+    saved, muted = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(muted, 2)
+    try:
+        import tensorflow as tf
+        tf.config.list_physical_devices()  # the device probing prints here
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(muted)
 
 
 class _QuietFilter(std_logging.Filter):

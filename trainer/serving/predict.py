@@ -13,7 +13,9 @@ import dataclasses
 import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from trainer import cli  # noqa: E402
+
+cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 
 from absl import app, flags  # noqa: E402
 import tensorflow as tf  # noqa: E402

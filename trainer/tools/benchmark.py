@@ -22,7 +22,9 @@ import sys
 import time
 import types
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from trainer import cli  # noqa: E402
+
+cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 
 from absl import app, flags  # noqa: E402
 import keras  # noqa: E402

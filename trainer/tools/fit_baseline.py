@@ -12,7 +12,9 @@ import os
 import sys
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from trainer import cli  # noqa: E402
+
+cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 
 from absl import app, flags  # noqa: E402
 import keras  # noqa: E402
