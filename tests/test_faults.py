@@ -167,3 +167,36 @@ def test_sigterm_saves_the_current_step_and_exits_75_then_resumes(tmp_path):
     assert step >= 2
     resumed = _main(*RESUME, f"--model_dir={model_dir}", f"--train_steps={step + 2}")
     assert resumed.returncode == 0 and f"at step {step}" in resumed.stderr
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_skipped_step_leaves_batch_norm_statistics_as_they_were(replicas):
+    strategy = mirrored() if replicas == 2 else tf.distribute.OneDeviceStrategy(CPUS[0])
+
+    def bn_model():
+        inputs = keras.Input((8, 8, 3))
+        x = keras.layers.BatchNormalization()(inputs)
+        x = keras.layers.Flatten()(x)
+        return keras.Model(inputs, keras.layers.Dense(
+            5, kernel_initializer=keras.initializers.GlorotUniform(seed=3))(x))
+
+    images = _batch()["image"].numpy()
+    images[-1, 0, 0, 0] = np.nan
+    bad = {**_batch(), "image": tf.constant(images)}
+    with strategy.scope():
+        model = bn_model()
+        optimizer = optimizers.create("sgd", 0.01, model.trainable_variables, momentum=0.0)
+    options = step.StepOptions(batch_size=8)
+    loop = distributed.make_train_loop(
+        strategy, lambda batch: step.train_step(model, optimizer, batch, options))
+    good = iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensors(_batch()).repeat()))
+    loop(good, tf.constant(1), tf.constant(0.0))
+    before = [v.numpy().copy() for v in model.non_trainable_variables]
+    poisoned = iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensors(bad).repeat()))
+    sums, _ = loop(poisoned, tf.constant(1), tf.constant(0.0))
+    assert float(sums["skipped"][0]) > 0
+    for a, b in zip(before, [v.numpy() for v in model.non_trainable_variables]):
+        np.testing.assert_array_equal(a, b)  # no NaN moved into the moving statistics
+    assert np.all(np.isfinite(model.predict(_batch()["image"], verbose=0)))

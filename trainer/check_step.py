@@ -63,7 +63,9 @@ class CheckResult:
 
     @property
     def passed(self) -> bool:
-        return max(self.weight_difference, self.metric_difference) <= self.tolerance
+        differences = [self.weight_difference,
+                       *(rel for _, _, rel in self.metrics.values())]
+        return all(d <= self.tolerance for d in differences)  # NaN fails too
 
 
 def checkable(model: keras.Model, freeze_batch_norm: bool = False) -> keras.Model:
@@ -117,7 +119,11 @@ def _train(strategy, config, spec, plan, initial_weights, data: dict, num_steps:
     train_loop = distributed.make_train_loop(
         strategy, lambda batch: train_step(model, optimizer, batch, options))
     sums, _ = train_loop(iterator, tf.constant(num_steps), tf.constant(0.0))
-    return ([w.path for w in model.weights], model.get_weights(),
+    # The optimizer's state too: Adam's update hides a gradient summed twice (it is
+    # scale-invariant), its second moment does not.
+    state = [v for v in optimizer.variables if "iteration" not in v.path]
+    return ([w.path for w in model.weights + state],
+            [w.numpy() for w in model.weights + state],
             distributed.means(tf.nest.map_structure(lambda t: t.numpy(), sums)))
 
 
@@ -130,6 +136,8 @@ def _no_autoshard() -> tf.data.Options:
 
 def _relative(a: float, b: float) -> float:
     scale = max(abs(a), abs(b))
+    if np.isnan(scale):
+        return float("nan")
     return abs(a - b) / scale if scale > 1e-12 else 0.0
 
 
@@ -144,12 +152,17 @@ def run_check(config: config_lib.Config, num_steps: int = 3, tolerance: float = 
     spec = sources.get_spec(config.dataset)
     plan = loop.Plan.make(config, *loop.counts(config, spec), num_replicas=2)
     data = _global_batches(config, spec, num_steps)
-    initial = models.build(config.model, spec.num_classes, inputs.image_shape(config, spec),
-                           tiny=config.model_size == "tiny").get_weights()
+    try:
+        initial = models.build(config.model, spec.num_classes,
+                               inputs.image_shape(config, spec),
+                               tiny=config.model_size == "tiny").get_weights()
+    except ValueError as err:  # e.g. an image too small for the model
+        raise config_lib.ConfigError(str(err)) from err
     names, one, one_metrics = _train(tf.distribute.OneDeviceStrategy(devices[0]), config,
                                      spec, plan, initial, data, num_steps, train_step)
     _, two, two_metrics = _train(strategy_lib.mirrored(tuple(devices[:2])), config, spec,
                                  plan, initial, data, num_steps, train_step)
+    initial = initial + [np.zeros_like(v) for v in one[len(initial):]]  # optimizer: 0
     moved = [np.linalg.norm(a - w0) for a, w0 in zip(one, initial)]
     apart = [np.linalg.norm(a - b) for a, b in zip(one, two)]
     per_variable = [(name, d / m if m > 0 else (0.0 if d == 0 else float("inf")))
@@ -171,7 +184,7 @@ def report(result: CheckResult, config: config_lib.Config, num_steps: int) -> st
              f"(MirroredStrategy on 2 CPU devices), float32, "
              f"{'frozen' if config.grad_accum_steps > 1 else 'synchronized'} batch-norm, "
              f"dropout off",
-             f"  weights: relative difference {result.weight_difference:.2e} "
+             f"  weights and optimizer state: relative difference {result.weight_difference:.2e} "
              f"(||w1 - w2|| / ||w1 - w0||; worst variable {result.worst_variable[0]}: "
              f"{result.worst_variable[1]:.2e})"]
     for key, (one, two, rel) in result.metrics.items():

@@ -17,7 +17,9 @@ from absl import logging
 import tensorflow as tf
 
 RUN_CONFIG = "run_config.json"
-_MUST_MATCH = ("model", "model_size", "dataset")
+# What the checkpoint's variables depend on: another value would restore wrong
+# slots (Keras numbers the optimizer's variables; the EMA's come first).
+_MUST_MATCH = ("model", "model_size", "dataset", "optimizer")
 
 
 class CheckpointError(RuntimeError):
@@ -30,7 +32,7 @@ class CheckpointSaveError(RuntimeError):
 
 # What reading a truncated or corrupt checkpoint raises (a short data file gives a
 # Python IndexError, "Read less bytes than requested").
-_UNREADABLE = (IndexError, tf.errors.DataLossError, tf.errors.OutOfRangeError,
+UNREADABLE = (IndexError, tf.errors.DataLossError, tf.errors.OutOfRangeError,
                tf.errors.NotFoundError, tf.errors.InvalidArgumentError,
                tf.errors.UnknownError)
 
@@ -49,17 +51,26 @@ def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True) -
                               f"another directory")
     path = os.path.join(model_dir, RUN_CONFIG)
     if tf.io.gfile.exists(path):
-        with tf.io.gfile.GFile(path) as f:
-            previous = json.load(f)
-        for key in _MUST_MATCH:
-            if previous.get(key) != run_config.get(key):
+        try:
+            with tf.io.gfile.GFile(path) as f:
+                previous = json.load(f)
+        except ValueError as err:
+            raise CheckpointError(f"{path} is not valid JSON ({err}); restore it, or use "
+                                  f"another --model_dir") from err
+        for key, now, before in [*((k, run_config.get(k), previous.get(k))
+                                   for k in _MUST_MATCH),
+                                 ("ema_decay > 0", bool(run_config.get("ema_decay")),
+                                  bool(previous.get("ema_decay")))]:
+            if now != before:
                 raise CheckpointError(
-                    f"--model_dir={model_dir} holds a run with {key}="
-                    f"{previous.get(key)!r}, not {run_config.get(key)!r}; use another "
-                    f"--model_dir (the existing checkpoint is left untouched)")
-    if is_chief:
-        with tf.io.gfile.GFile(path, "w") as f:
+                    f"--model_dir={model_dir} holds a run with {key}={before!r}, not "
+                    f"{now!r}; use another --model_dir (the existing checkpoint is left "
+                    f"untouched)")
+    if is_chief:  # atomic: other workers read it
+        tmp = path + ".tmp"
+        with tf.io.gfile.GFile(tmp, "w") as f:
             json.dump(run_config, f, indent=2, sort_keys=True)
+        tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
 def training_checkpoint(model, optimizer) -> tf.train.Checkpoint:
@@ -85,13 +96,16 @@ def make_manager(model_dir: str, checkpoint: tf.train.Checkpoint, keep: int,
 
 
 def _candidates(model_dir: str) -> list[str]:
-    """The checkpoints listed in model_dir's index, newest first."""
+    """The checkpoints listed in model_dir's index, newest first; the ckpt-N files
+    themselves if the index is missing or unreadable (never start afresh over them)."""
     state = tf.train.get_checkpoint_state(model_dir)
     if state is None:
-        return []
-    paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
-    if state.model_checkpoint_path not in paths:
-        paths.append(state.model_checkpoint_path)
+        paths = [p[:-len(".index")] for p in
+                 tf.io.gfile.glob(os.path.join(model_dir, "ckpt-*.index"))]
+    else:
+        paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
+        if state.model_checkpoint_path not in paths:
+            paths.append(state.model_checkpoint_path)
     # The index may hold absolute paths of a directory that was moved: use names.
     paths = [os.path.join(model_dir, os.path.basename(p)) for p in paths]
     return sorted(paths, key=lambda p: int(p.rsplit("-", 1)[-1]), reverse=True)
@@ -111,7 +125,7 @@ def restore_latest(checkpoint: tf.train.Checkpoint, model_dir: str) -> str | Non
             raise CheckpointError(
                 f"checkpoint {path} does not fit this model ({str(err).splitlines()[0]}); "
                 f"use another --model_dir (the checkpoint is left untouched)") from err
-        except _UNREADABLE as err:
+        except UNREADABLE as err:
             logging.warning("checkpoint %s is unreadable (%s: %s); trying the one "
                             "before it", path, type(err).__name__,
                             str(err).splitlines()[0][:200] if str(err) else "")
@@ -125,6 +139,19 @@ def restore_latest(checkpoint: tf.train.Checkpoint, model_dir: str) -> str | Non
             f"no checkpoint in {model_dir} is readable ({names}); restore them from a "
             f"backup, or use another --model_dir to start afresh")
     return None
+
+
+def check_same_step(strategy: tf.distribute.Strategy, step: int) -> None:
+    """Every worker restored the same step (one may have fallen back past a checkpoint
+    it could not read): else a one-line CheckpointError on every worker, instead of
+    collectives that no longer match."""
+    mine = tf.constant([float(step)])  # float32 is exact to 16.7M steps
+    steps = strategy.gather(strategy.run(lambda: tf.identity(mine)), axis=0).numpy()
+    if steps.min() != steps.max():
+        raise CheckpointError(
+            f"the workers resumed from different checkpoints (this one at step {step}; "
+            f"a checkpoint may be unreadable for some of them); check the warnings and "
+            f"rerun the same command")
 
 
 def save(manager: tf.train.CheckpointManager, step: int) -> None:

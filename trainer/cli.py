@@ -61,10 +61,10 @@ class _QuietFilter(std_logging.Filter):
         return record.levelno >= std_logging.WARNING or record.pathname.startswith(_OURS)
 
 
-def quiet_library_logs() -> None:
+def quiet_library_logs(verbosity: int) -> None:
     """The default log: our lines and the warnings that mean something. A command's
     --verbosity=1 brings everything back."""
-    if flags.FLAGS["verbosity"].value >= 1:
+    if verbosity >= 1:
         return
     handler = logging.get_absl_handler()
     if not any(isinstance(f, _QuietFilter) for f in handler.filters):

@@ -76,12 +76,15 @@ class Evaluator:
             self.model = models.build(config.model, spec.num_classes,
                                       inputs.image_shape(config, spec),
                                       tiny=config.model_size == "tiny")
-            # The optimizer too: --ema_decay's average lives in it.
+            # The optimizer only for --ema_decay, whose average lives in it (its
+            # other state, e.g. a GPU run's loss scale, is not needed here).
             self.optimizer = optimizers.create(
                 config.optimizer, loop.make_schedule(config, plan),
                 self.model.trainable_variables, config.weight_decay, config.momentum,
-                precision, config.ema_decay)
-            self.checkpoint = checkpoints.training_checkpoint(self.model, self.optimizer)
+                "float32", config.ema_decay) if config.ema_decay else None
+            self.checkpoint = tf.train.Checkpoint(
+                model=self.model, **({"optimizer": self.optimizer} if self.optimizer
+                                     else {}))
         options = step.StepOptions.from_config(config, confusion_classes=(
             spec.num_classes if spec.num_classes <= evaluation.MAX_CONFUSION_CLASSES else 0))
         model = self.model
@@ -91,12 +94,19 @@ class Evaluator:
             inputs.eval_input_fn(config, spec))
 
     def evaluate(self, checkpoint_path: str) -> dict:
-        """The metrics of one checkpoint (its step from optimizer.iterations)."""
-        self.checkpoint.restore(checkpoint_path).assert_existing_objects_matched()
-        result = averaging.evaluate_raw_and_averaged(
-            lambda: evaluation.evaluate(self.eval_loop, self.eval_dataset,
-                                        self.plan.eval_steps), self.optimizer)
-        step_number = int(self.optimizer.iterations.numpy())
+        """The metrics of one checkpoint (ckpt-N: the step N)."""
+        try:
+            self.checkpoint.restore(checkpoint_path).expect_partial(
+                ).assert_existing_objects_matched()
+        except (AssertionError, ValueError) as err:
+            raise checkpoints.CheckpointError(
+                f"{checkpoint_path} does not fit the run's model "
+                f"({str(err).splitlines()[0][:160]})") from err
+        evaluate = lambda: evaluation.evaluate(  # noqa: E731
+            self.eval_loop, self.eval_dataset, self.plan.eval_steps)
+        result = (averaging.evaluate_raw_and_averaged(evaluate, self.optimizer)
+                  if self.optimizer else evaluate())
+        step_number = int(checkpoint_path.rsplit("-", 1)[-1])
         return {"step": step_number, "epoch": step_number / self.plan.steps_per_epoch,
                 "checkpoint": os.path.basename(checkpoint_path),
                 **{k: v for k, v in result.items() if k != "confusion"}}
@@ -125,8 +135,12 @@ def evaluate_checkpoints(model_dir: str, output_dir: str, checkpoint: str | None
     def record(path: str) -> None:
         try:
             result = evaluator.evaluate(path)
-        except (tf.errors.NotFoundError, IndexError, tf.errors.DataLossError) as err:
-            # Deleted by the trainer's max_to_keep, or unreadable: skip it.
+        except checkpoints.UNREADABLE as err:
+            if not watch:
+                raise checkpoints.CheckpointError(
+                    f"cannot read {path} ({type(err).__name__}: "
+                    f"{str(err).splitlines()[0][:160] if str(err) else ''})") from err
+            # Deleted by the trainer's max_to_keep meanwhile, or unreadable: skip it.
             logging.warning("skipped %s: %s", path, str(err).splitlines()[0][:200])
             return
         logging.info("%s (step %d, epoch %.2f): test loss %.4f  test accuracy %.4f  "
@@ -147,14 +161,26 @@ def evaluate_checkpoints(model_dir: str, output_dir: str, checkpoint: str | None
     else:
         logging.info("Watching %s for new checkpoints (stop: the run is done, or %d s "
                      "without a new one)", model_dir, timeout)
-        last_new = time.time()
+        last_new, last_step = time.time(), -1
 
         def stop_waiting() -> bool:  # asked after 2 s without a new checkpoint
-            return _run_done(model_dir) or time.time() - last_new > timeout
+            if time.time() - last_new > timeout:
+                return True
+            # Done, and its last checkpoint evaluated (it may have come just now).
+            latest = tf.train.latest_checkpoint(model_dir)
+            return _run_done(model_dir) and (
+                latest is None or int(latest.rsplit("-", 1)[-1]) <= last_step)
 
-        for path in tf.train.checkpoints_iterator(model_dir, min_interval_secs=1,
-                                                  timeout=2, timeout_fn=stop_waiting):
-            record(path)
+        for newest in tf.train.checkpoints_iterator(model_dir, min_interval_secs=1,
+                                                    timeout=2, timeout_fn=stop_waiting):
+            # Every checkpoint written since the last one evaluated, oldest first,
+            # not only the newest (evaluating can be slower than checkpointing).
+            state = tf.train.get_checkpoint_state(model_dir)
+            listed = list(state.all_model_checkpoint_paths) if state else [newest]
+            for path in sorted({*listed, newest}, key=lambda p: int(p.rsplit("-", 1)[-1])):
+                if int(path.rsplit("-", 1)[-1]) > last_step:
+                    record(path)
+                    last_step = int(path.rsplit("-", 1)[-1])
             last_new = time.time()
     writer.close()
     return records
@@ -165,7 +191,7 @@ def main(argv: list[str]) -> None:
         print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
         sys.exit(2)
     logging.set_verbosity(max(logging.INFO, FLAGS.verbosity))
-    cli.quiet_library_logs()
+    cli.quiet_library_logs(FLAGS.verbosity)
     if not FLAGS.model_dir:
         print("error: --model_dir is required: the training run's directory",
               file=sys.stderr)
@@ -178,6 +204,9 @@ def main(argv: list[str]) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     print(f"evaluated {len(records)} checkpoint(s); wrote {output_dir}")
+    if not records:
+        print("error: no checkpoint could be evaluated (see the warnings)", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -144,6 +144,8 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     start_step = int(optimizer.iterations.numpy())
     if restored:
         logging.info("Resumed from %s at step %d", restored, start_step)
+    if strategy_lib.is_multi_worker(strategy):  # all from the same checkpoint, or none
+        checkpoints.check_same_step(strategy, start_step)
     manager = checkpoints.make_manager(config.model_dir, checkpoint,
                                        config.keep_checkpoints, is_chief, task_id)
 

@@ -55,7 +55,7 @@ def main(argv: list[str]) -> None:
               file=sys.stderr)
         sys.exit(2)
     logging.set_verbosity(max(logging.INFO, FLAGS.verbosity))
-    cli.quiet_library_logs()
+    cli.quiet_library_logs(FLAGS.verbosity)
     # TF adds its own stderr handler when imported before absl's: every TF record
     # would print twice. absl's handler (on the root logger) prints them once.
     std_logging.getLogger("tensorflow").handlers.clear()

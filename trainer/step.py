@@ -108,6 +108,13 @@ def _sums(per_example_loss, logits, labels, weights=None) -> dict[str, Metric]:
             "accuracy": (tf.reduce_sum(hits * weights), count)}
 
 
+def _moving_statistics(model: keras.Model) -> list:
+    """The non-trainable float state a forward pass updates (batch-norm's moving
+    mean and variance); not the random generators' state."""
+    return [v for v in model.non_trainable_variables
+            if v.dtype.startswith("float") and "seed_generator" not in v.path]
+
+
 def _micro_batch_gradients(model, optimizer, batch: dict, options: StepOptions):
     """The gradient over this replica's batch, in grad_accum_steps micro-batches."""
     steps = options.grad_accum_steps
@@ -127,6 +134,10 @@ def _micro_batch_gradients(model, optimizer, batch: dict, options: StepOptions):
 def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: dict,
                options: StepOptions) -> dict[str, Metric]:
     """Forward, backward, the cross-replica sum, one update; on one replica."""
+    # Batch-norm updates its moving statistics in the forward pass, before anyone
+    # knows whether the gradient is finite: keep them, to undo a skipped step's.
+    statistics = _moving_statistics(model)
+    kept_statistics = [tf.identity(v) for v in statistics]
     gradients, sums = _micro_batch_gradients(model, optimizer, batch, options)
 
     # THE all-reduce. After this line every replica holds the same gradient: that of
@@ -144,6 +155,8 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, batch:
     # One update, the same on every replica (the optimizer does not sum again), or
     # none for a non-finite gradient; optimizer.iterations counts the step either way.
     optimizers.apply_or_skip(optimizer, gradients, model.trainable_variables, finite)
+    for variable, kept in zip(statistics, kept_statistics):
+        variable.assign(tf.where(finite, variable, kept))
 
     applied = tf.cast(finite, tf.float32)
     skipped = 1.0 - applied

@@ -29,6 +29,8 @@ class Recorder:
                          for key in ("train_seconds", "wall_seconds")}
         self.last_details: dict = {}
         self.writer = summaries.Writer(model_dir, enabled=is_chief)
+        self.save()  # "running" from the start: a resumed run's old "done" would
+        # tell trainer.evaluate --watch that it has ended
 
     def _shift(self, record: dict) -> dict:
         return {**record, **{key: record[key] + offset
