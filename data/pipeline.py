@@ -31,7 +31,8 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
                shuffle_buffer: int, seed: int = 0,
                cache: bool = True, prepare: Callable | None = None,
                num_examples: int | None = None, shard: bool = True,
-               start_step: int = 0, mix: Callable | None = None) -> tf.data.Dataset:
+               start_step: int = 0, mix: Callable | None = None,
+               end_step: int | None = None) -> tf.data.Dataset:
     """shard -> prepare -> cache blocks -> [per epoch: block_shuffle -> batch] -> skip to
     `start_step` -> augment -> normalize -> mix -> prefetch.
 
@@ -48,7 +49,7 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
     `prepare` runs per example before the cache (decode-time work such as resizing);
     `augment(images, labels, seed)` and `normalize` take whole batches;
     `mix(images, labels, seed) -> (images, targets)` takes normalized batches
-    (data.augment.make_mix).
+    (data.augment.make_mix). end_step: the stream ends there (None: endless).
     shard=False: `ds` is already this worker's shard (data.sources.load(context=...)).
     """
     batch = per_replica_batch_size(global_batch_size, context)
@@ -74,6 +75,11 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
     per_step = context.num_replicas_in_sync // context.num_input_pipelines
     ds = _epochs(blocks, examples, batch, shuffle_buffer, pipeline_seed,
                  start_step * per_step)
+    if end_step is not None:
+        # Finite: the pipeline's threads finish with the last batch. An endless
+        # stream's iterator can hang TensorFlow's teardown at exit (seen with
+        # MultiWorkerMirroredStrategy: ~Iterator waiting on a tf.data thread).
+        ds = ds.take((end_step - start_step) * per_step)
 
     def augment_normalize_mix(position, images, labels):
         key = tf.cast(tf.stack([pipeline_seed, position[0] * 1_000_003 + position[1]]),

@@ -10,6 +10,7 @@ import os
 from typing import Callable
 
 import keras
+import tensorflow as tf
 
 from models import cifar_cnn, convnet, resnet, resnet_fast, squeezenet, xception
 
@@ -41,7 +42,7 @@ def build(name: str, num_classes: int, input_shape: tuple[int, int, int],
     if name not in _BUILDERS:
         raise ValueError(f"unknown model {name!r}; valid: {', '.join(names())}")
     weights = None if weights in (None, "", "none") else weights
-    if weights and weights != "imagenet" and not os.path.exists(weights):
+    if weights and weights != "imagenet" and not tf.io.gfile.exists(weights):
         raise ValueError(f"--weights={weights}: no such file")
     whole_model = weights is not None and weights.endswith(".weights.h5")
     kwargs = {}

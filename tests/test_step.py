@@ -258,6 +258,18 @@ def test_flip_tta_evaluates_an_image_and_its_mirror():
         rtol=1e-5, atol=1e-6)
 
 
+def test_a_step_option_without_a_config_field_is_an_error():
+    import dataclasses
+    from trainer.config import Config
+
+    @dataclasses.dataclass(frozen=True)
+    class Misspelled(step.StepOptions):
+        clip_grad_nrom: float = 0.0
+
+    with pytest.raises(ValueError, match="clip_grad_nrom"):
+        Misspelled.from_config(Config())
+
+
 def test_step_options_take_every_same_named_config_field():
     from trainer.config import Config
     config = Config(batch_size=64, clip_grad_norm=2.0, grad_accum_steps=4,

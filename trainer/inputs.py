@@ -22,9 +22,10 @@ def _prepare(config: Config, spec: sources.DatasetSpec):
 
 
 def train_input_fn(config: Config, spec: sources.DatasetSpec, train_examples: int,
-                   start_step: int = 0):
+                   start_step: int = 0, end_step: int | None = None):
     """The training input for `distribute_datasets_from_function`: each input
-    worker's pipeline, resuming at `start_step` (the data position is the step)."""
+    worker's pipeline, resuming at `start_step` (the data position is the step) and
+    ending at `end_step` (None: endless)."""
     train_augment = augment.TRAIN_AUGMENTATIONS[config.augment or spec.augment]
 
     def train_fn(context):
@@ -35,7 +36,7 @@ def train_input_fn(config: Config, spec: sources.DatasetSpec, train_examples: in
                                    config.shuffle_buffer, seed=config.seed,
                                    prepare=_prepare(config, spec),
                                    num_examples=train_examples, shard=False,
-                                   start_step=start_step,
+                                   start_step=start_step, end_step=end_step,
                                    mix=augment.make_mix(spec.num_classes, config.mixup_alpha,
                                                         config.cutmix_alpha))
     return train_fn

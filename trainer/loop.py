@@ -152,7 +152,8 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     # --- Input pipelines: the stream resumes at the step ----------------------------
     with inputs.data_errors_explained(spec):  # the training cache is filled here
         train_dataset = strategy.distribute_datasets_from_function(
-            inputs.train_input_fn(config, spec, plan.train_examples, start_step))
+            inputs.train_input_fn(config, spec, plan.train_examples, start_step,
+                                  plan.total_steps))
         eval_dataset = strategy.distribute_datasets_from_function(
             inputs.eval_input_fn(config, spec))
         samples = (evaluation.load_samples(spec, inputs.image_shape(config, spec)[0],

@@ -56,8 +56,8 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     logging.set_verbosity(max(logging.INFO, FLAGS.verbosity))
     cli.quiet_library_logs(FLAGS.verbosity)
-    # TF adds its own stderr handler when imported before absl's: every TF record
-    # would print twice. absl's handler (on the root logger) prints them once.
+    # TF's own stderr handler would print its records a second time (absl's prints
+    # them; cli.parse_flags clears it too, but main may be called in-process).
     std_logging.getLogger("tensorflow").handlers.clear()
     try:
         config = config_from_flags()

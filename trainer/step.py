@@ -37,9 +37,14 @@ class StepOptions:
 
     @classmethod
     def from_config(cls, config, **derived) -> "StepOptions":
-        shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)
-                  if hasattr(config, f.name)}
-        return cls(**{**shared, **derived})
+        """Every field from the Config field of its name, or from `derived`."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = names - set(derived) - {n for n in names if hasattr(config, n)}
+        if missing - {"confusion_classes"}:  # a typo would silently keep the default
+            raise ValueError(f"StepOptions fields without a Config field of the same "
+                             f"name: {sorted(missing)}; add them to trainer/config.py")
+        return cls(**{**{n: getattr(config, n) for n in names if hasattr(config, n)},
+                      **derived})
 
 
 def logits_of(outputs) -> tf.Tensor:

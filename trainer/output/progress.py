@@ -2,7 +2,6 @@
 checksum)."""
 import hashlib
 import json
-import os
 import time
 
 import numpy as np
