@@ -2,7 +2,7 @@
 end with bitwise the same weights as an uninterrupted one.
 
     python -m trainer.tools.kill_resume --workers=2 --kills=5 --work_dir=/tmp/kr -- \\
-        --model=cifar_cnn --dataset=cifar10 --deterministic --epochs=2 --checkpoint_every=10
+        --model=cifar_cnn --dataset=cifar10 --deterministic --epochs=4 --checkpoint_every=10
 
 First runs `trainer.tools.launch --workers=N -- FLAGS` uninterrupted into
 WORK_DIR/reference. Then into WORK_DIR/killed, --kills times: start the same launch
