@@ -267,7 +267,7 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
             "resumed_from_step": start_step, "skipped_steps": progress.skipped_steps,
             "weights_sha256": progress_lib.weights_checksum(model),
             "model": config.model, "dataset": config.dataset,
-            "strategy": type(strategy).__name__, "replicas": runtime.num_replicas,
+            "strategy": runtime.name, "replicas": runtime.num_replicas,
             "device": runtime.device_kind, "precision": precision, "jit_compile": jit,
             "global_batch_size": config.batch_size,
             "per_replica_batch_size": plan.per_replica_batch,

@@ -30,9 +30,15 @@ class Runtime:
     def num_replicas(self) -> int:
         return self.strategy.num_replicas_in_sync
 
+    @property
+    def name(self) -> str:
+        """The public name (MultiWorkerMirroredStrategy's class is CollectiveAllReduce)."""
+        name = type(self.strategy).__name__
+        return "MultiWorkerMirroredStrategy" if "CollectiveAllReduce" in name else name
+
     def describe(self) -> str:
         devices = ", ".join(self.strategy.extended.worker_devices)
-        return (f"{type(self.strategy).__name__} on {self.device_kind.upper()}, "
+        return (f"{self.name} on {self.device_kind.upper()}, "
                 f"{self.num_replicas} replica(s): {devices}")
 
 
