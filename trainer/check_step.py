@@ -214,4 +214,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=cli.parse_flags)
+    app.run(main, flags_parser=main_lib.parse_flags)

@@ -1,16 +1,10 @@
-"""What the serving and tools commands share on the command line (absl flags).
-
-Each command declares its flags in `define_flags()`, called from its
-`if __name__ == "__main__":` (and by tests), never at import time: absl flags are
-global per process, and trainer.main's flags (one per trainer.config.Config field)
-share names such as --model_dir with them.
-"""
+"""What every command does about logs before and after parsing its flags: a
+quiet TensorFlow start-up and a quiet default log (`--verbosity=1` shows all).
+The flags themselves are parsed by each command (helpers in trainer/main.py)."""
 import logging as std_logging
 import os
 import sys
-from typing import Any, Callable
-
-from absl import flags, logging
+from absl import logging
 
 _PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OURS = tuple(os.path.join(_PROJECT, package) + os.sep
@@ -69,37 +63,3 @@ def quiet_library_logs(verbosity: int) -> None:
     handler = logging.get_absl_handler()
     if not any(isinstance(f, _QuietFilter) for f in handler.filters):
         handler.addFilter(_QuietFilter())
-
-# Flags defined through `define` belong to the command calling it (--helpshort,
-# and --helpfull's grouping by module), not to this module.
-flags.disclaim_key_flags()
-
-
-def define(flag_values: flags.FlagValues, definer: Callable, name: str, default: Any,
-           help: str, **kwargs: Any) -> bool:  # noqa: A002 (absl's word for it)
-    """Defines one flag unless `flag_values` has one of that name (a command's
-    define_flags run twice, or beside trainer.main's in one test process, reuses
-    it). Returns whether it defined the flag."""
-    if name in flag_values:
-        return False
-    definer(name, default, help=help, flag_values=flag_values, **kwargs)
-    return True
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """`app.run`'s flags_parser for these commands, whose output is what they print:
-    - absl's parsing, but an unknown, malformed or missing required flag is one
-      `error: ...` line on stderr and exit status 2, like every other user error;
-    - library logs (e.g. TF's SavedModel writer at INFO) only from WARNING unless
-      --verbosity is given, each record once (TF's own stderr handler would repeat
-      what absl's prints).
-    Returns the arguments left after the flags."""
-    try:
-        argv = flags.FLAGS(argv)
-    except flags.Error as err:
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        sys.exit(2)
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-    std_logging.getLogger("tensorflow").handlers.clear()
-    return argv

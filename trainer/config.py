@@ -1,16 +1,15 @@
-"""The one frozen config object a run is described by, and its command-line flags.
+"""The one frozen config object a run is described by.
 
-Every field carries its flag's help text, and `define_flags` declares one absl flag
-per field, so a new setting is one field here (and its use where it matters, e.g.
-`trainer/step.py`). Commands parse the flags in their own `main` and call
-`from_flags(FLAGS)`; library code below takes this object or plain values.
+Every field carries its flag's help text: trainer/main.py declares one absl flag
+per field from it, so a new setting is one field here (and its use where it
+matters, e.g. `trainer/step.py`). Commands parse the flags in their own `main` and
+call `resolve`; library code below takes this object or plain values.
 """
 import dataclasses
 import os
 import re
 from typing import Any
 
-from absl import flags
 
 from data import augment as augment_lib, sources
 import models
@@ -135,18 +134,6 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
-def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
-    """One absl flag per Config field, its default and help from the field."""
-    definers = {str: flags.DEFINE_string, int: flags.DEFINE_integer,
-                float: flags.DEFINE_float, bool: flags.DEFINE_bool}
-    for field in dataclasses.fields(Config):
-        if field.name in flag_values:  # several commands share these flags
-            continue
-        kind = type(field.default) if field.default is not None else str
-        definers[kind](field.name, field.default, field.metadata["help"],
-                       flag_values=flag_values)
-
-
 def default_model_dir(model: str, dataset: str) -> str:
     """runs/<model>_<dataset>; for TFRecords, the data folder's name (not its path)."""
     if dataset.startswith("tfrecord:"):
@@ -156,11 +143,11 @@ def default_model_dir(model: str, dataset: str) -> str:
     return os.path.join("runs", f"{model}_{dataset}")
 
 
-def from_flags(flag_values: flags.FlagValues) -> tuple[Config, dict[str, str]]:
-    """The Config of parsed flags: the model's recipe, then the flags given on the
-    command line over it. Returns (config, origin of each recipe value) unvalidated."""
-    values = {f.name: flag_values[f.name].value for f in dataclasses.fields(Config)}
-    explicit = {name for name in values if flag_values[name].present}
+def resolve(values: dict[str, Any], explicit: set[str]
+            ) -> tuple[Config, dict[str, str]]:
+    """The Config of a command line's values: the model's recipe, then the values
+    given explicitly (`explicit`) over it. Returns (config, origin of each recipe
+    value), unvalidated."""
     values, origin = recipes.resolve(values, explicit)
     values["model_dir"] = values["model_dir"] or default_model_dir(values["model"],
                                                                    values["dataset"])

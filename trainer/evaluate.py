@@ -29,7 +29,7 @@ import tensorflow as tf  # noqa: E402
 from data import sources  # noqa: E402
 import models  # noqa: E402
 from trainer import averaging, checkpoints, distributed, evaluation, inputs  # noqa: E402
-from trainer import loop, optimizers, step  # noqa: E402
+from trainer import loop, main as main_lib, optimizers, step  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 from trainer.config import Config  # noqa: E402
 from trainer.output import progress as progress_lib, summaries  # noqa: E402
@@ -40,17 +40,17 @@ EVALUATIONS_FILE = "evaluations.json"
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
-    cli.define(flag_values, flags.DEFINE_string, "model_dir", None,
+    main_lib.define_flag(flag_values, flags.DEFINE_string, "model_dir", None,
                "The training run's directory (its run_config.json and checkpoints).")
-    cli.define(flag_values, flags.DEFINE_string, "checkpoint", None,
+    main_lib.define_flag(flag_values, flags.DEFINE_string, "checkpoint", None,
                "A checkpoint path (DIR/ckpt-N); default: the latest in --model_dir.")
-    cli.define(flag_values, flags.DEFINE_bool, "watch", False,
+    main_lib.define_flag(flag_values, flags.DEFINE_bool, "watch", False,
                "Evaluate every new checkpoint as the training job writes it.")
-    cli.define(flag_values, flags.DEFINE_integer, "timeout", 600,
+    main_lib.define_flag(flag_values, flags.DEFINE_integer, "timeout", 600,
                "--watch: stop after this many seconds without a new checkpoint.")
-    cli.define(flag_values, flags.DEFINE_string, "output_dir", None,
+    main_lib.define_flag(flag_values, flags.DEFINE_string, "output_dir", None,
                "Where the evaluator writes (default: <model_dir>/evaluator).")
-    cli.define(flag_values, flags.DEFINE_string, "data_dir", None,
+    main_lib.define_flag(flag_values, flags.DEFINE_string, "data_dir", None,
                "TFDS data dir, if not the training run's.")
 
 
@@ -211,4 +211,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=cli.parse_flags)
+    app.run(main, flags_parser=main_lib.parse_flags)

@@ -9,8 +9,10 @@ be saved (disk full, no permission; the last good one is named and kept); 75
 preempted by SIGTERM
 (a checkpoint of the current step was saved: run the same command to resume).
 """
+import dataclasses
 import logging as std_logging
 import sys
+from typing import Any, Callable
 
 from trainer import cli
 
@@ -30,19 +32,63 @@ USER_ERRORS = (config_lib.ConfigError, sources.DatasetError, strategy_lib.Device
                checkpoints.CheckpointError)
 
 
+# --- Flag helpers every command uses ------------------------------------------------
+
+def define_flag(flag_values: flags.FlagValues, definer: Callable, name: str,
+                default: Any, help: str, **kwargs: Any) -> bool:  # noqa: A002
+    """Defines one flag unless `flag_values` has one of that name (commands share
+    names such as --model_dir, and tests load several commands in one process).
+    The flag belongs to the calling command (--helpshort). Returns whether it was
+    defined."""
+    if name in flag_values:
+        return False
+    caller = sys._getframe(1).f_globals["__name__"]  # noqa: SLF001
+    definer(name, default, help=help, flag_values=flag_values,
+            module_name=sys.argv[0] if caller == "__main__" else caller, **kwargs)
+    return True
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """`app.run`'s flags_parser for every command:
+    - absl's parsing, but an unknown, malformed or missing required flag is one
+      `error: ...` line on stderr and exit status 2, like every other user error;
+    - library logs (e.g. TF's SavedModel writer at INFO) only from WARNING unless
+      --verbosity is given, each record once (TF's own stderr handler would repeat
+      what absl's prints).
+    Returns the arguments left after the flags."""
+    try:
+        argv = FLAGS(argv)
+    except flags.Error as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        sys.exit(2)
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    std_logging.getLogger("tensorflow").handlers.clear()
+    return argv
+
+
+# --- This command's flags: one per Config field -------------------------------------
+
 def define_flags() -> None:
-    """The run's flags (also called by tests; defining twice is a no-op)."""
-    config_lib.define_flags(FLAGS)
-    if "plot_schedule" in FLAGS:
-        return
-    flags.DEFINE_bool("plot_schedule", False, "Write the learning-rate schedule of "
-                      "these settings to <model_dir>/lr_schedule.png and exit without "
-                      "training.")
+    """The run's flags (also called by tests and trainer.check_step; defining twice
+    is a no-op): one per Config field, its default and help from the field."""
+    definers = {str: flags.DEFINE_string, int: flags.DEFINE_integer,
+                float: flags.DEFINE_float, bool: flags.DEFINE_bool}
+    for field in dataclasses.fields(config_lib.Config):
+        kind = type(field.default) if field.default is not None else str
+        define_flag(FLAGS, definers[kind], field.name, field.default,
+                    field.metadata["help"])
+    define_flag(FLAGS, flags.DEFINE_bool, "plot_schedule", False, "Write the "
+                "learning-rate schedule of these settings to <model_dir>/lr_schedule.png "
+                "and exit without training.")
 
 
 def config_from_flags(flag_values: flags.FlagValues = FLAGS) -> config_lib.Config:
     """The validated Config: the model's recipe, the flags given over it."""
-    config, origin = config_lib.from_flags(flag_values)
+    names = [f.name for f in dataclasses.fields(config_lib.Config)]
+    config, origin = config_lib.resolve(
+        {name: flag_values[name].value for name in names},
+        {name for name in names if flag_values[name].present})
     if origin:
         logging.info("Recipe for %s: %s", config.model, ", ".join(
             f"{name}={getattr(config, name)} ({source})" for name, source in origin.items()))
@@ -88,4 +134,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=cli.parse_flags)
+    app.run(main, flags_parser=parse_flags)

@@ -126,6 +126,8 @@ def create(strategy: str = "auto", tpu: str | None = None, require_tpu: bool = F
 
 def _cpu_has_bf16() -> bool:
     try:
+        # Plain open: a kernel file, never a user path; tf.io.gfile reads 0 bytes
+        # from it (/proc files report size 0).
         with open("/proc/cpuinfo") as f:
             flags = f.read()
     except OSError:

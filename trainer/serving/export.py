@@ -23,7 +23,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from data import augment, sources  # noqa: E402
-from trainer import checkpoints, cli, step  # noqa: E402
+from trainer import checkpoints, main as main_lib, step  # noqa: E402
 from trainer.serving import inference  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -91,7 +91,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     would fail every later parse of FLAGS in the process."""
     for name, text in (("model_dir", "A finished run's directory."),
                        ("export_dir", "New directory to write the SavedModel to.")):
-        if cli.define(flag_values, flags.DEFINE_string, name, None, text):
+        if main_lib.define_flag(flag_values, flags.DEFINE_string, name, None, text):
             flags.mark_flag_as_required(name, flag_values)
 
 
@@ -113,4 +113,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=cli.parse_flags)
+    app.run(main, flags_parser=main_lib.parse_flags)

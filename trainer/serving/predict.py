@@ -21,7 +21,7 @@ from absl import app, flags  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from data import sources  # noqa: E402
-from trainer import checkpoints, cli, config as config_lib, recipes  # noqa: E402
+from trainer import checkpoints, config as config_lib, main as main_lib, recipes  # noqa: E402
 from trainer.serving import inference  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -93,20 +93,20 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     """predict's flags (also called by tests; defining twice is a no-op). --model,
     --dataset, --model_dir and --data_dir share their names and types with
     trainer.main's: in one process, whichever command defined them first owns them."""
-    cli.define(flag_values, flags.DEFINE_string, "model_dir", "", "A finished run's "
+    main_lib.define_flag(flag_values, flags.DEFINE_string, "model_dir", "", "A finished run's "
                "directory (default: runs/<--model>_<dataset>, as trainer.main names "
                "it, the dataset being --dataset or the model's recipe's).")
-    cli.define(flag_values, flags.DEFINE_string, "model", config_lib.Config().model,
+    main_lib.define_flag(flag_values, flags.DEFINE_string, "model", config_lib.Config().model,
                "Only to find the default --model_dir.")
-    cli.define(flag_values, flags.DEFINE_string, "dataset", "", "The dataset of "
+    main_lib.define_flag(flag_values, flags.DEFINE_string, "dataset", "", "The dataset of "
                "--index (default: the run's own).")
-    cli.define(flag_values, flags.DEFINE_integer, "index", None, "Classify this "
+    main_lib.define_flag(flag_values, flags.DEFINE_integer, "index", None, "Classify this "
                "example of --dataset instead of image files.")
-    cli.define(flag_values, flags.DEFINE_string, "split", "", "Split of --index "
+    main_lib.define_flag(flag_values, flags.DEFINE_string, "split", "", "Split of --index "
                "(default: the dataset's evaluation split).")
-    cli.define(flag_values, flags.DEFINE_string, "data_dir", None, "TFDS data dir for "
+    main_lib.define_flag(flag_values, flags.DEFINE_string, "data_dir", None, "TFDS data dir for "
                "--index.")
-    cli.define(flag_values, flags.DEFINE_integer, "top", 0, "Classes to print "
+    main_lib.define_flag(flag_values, flags.DEFINE_integer, "top", 0, "Classes to print "
                "(default: up to 5).")
 
 
@@ -157,4 +157,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=cli.parse_flags)
+    app.run(main, flags_parser=main_lib.parse_flags)

@@ -194,8 +194,8 @@ def measure(args) -> dict:
     size = args.image_size or spec.image_shape[0]
     shape = (size, size, spec.image_shape[2])
     precision = strategy_lib.resolve_precision(args.precision, "cpu")
-    runners = [Runner(c, args, spec, shape) for c in runnable(cases(precision, args.jit_compile == "true", args.steps_per_loop,
-                              args.cases), len(args.devices))]
+    chosen = cases(precision, args.jit_compile == "true", args.steps_per_loop, args.cases)
+    runners = [Runner(c, args, spec, shape) for c in runnable(chosen, len(args.devices))]
     for runner in runners:  # trace, fill caches and warm up before timing
         runner.run(max(2, runner.case.steps_per_loop))
     seconds = {r.case.name: [] for r in runners}

@@ -22,7 +22,7 @@ import tensorflow as tf  # noqa: E402
 
 from data import augment, sources  # noqa: E402
 import models  # noqa: E402
-from trainer import cli  # noqa: E402
+from trainer import main as main_lib  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -73,14 +73,14 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     """fit_baseline's flags (defining twice is a no-op). All four share their names
     with trainer.main's: run this command on its own, not in a process that defined
     those first (theirs, with other defaults, would be used)."""
-    cli.define(flag_values, flags.DEFINE_integer, "epochs", 3, "Epochs to train.",
+    main_lib.define_flag(flag_values, flags.DEFINE_integer, "epochs", 3, "Epochs to train.",
                lower_bound=1)
-    cli.define(flag_values, flags.DEFINE_integer, "batch_size", 1024, "Global batch "
+    main_lib.define_flag(flag_values, flags.DEFINE_integer, "batch_size", 1024, "Global batch "
                "size.", lower_bound=1)
-    cli.define(flag_values, flags.DEFINE_enum, "precision", "float32",
+    main_lib.define_flag(flag_values, flags.DEFINE_enum, "precision", "float32",
                "Keras mixed-precision policy.",
                enum_values=["float32", "mixed_bfloat16", "mixed_float16"])
-    cli.define(flag_values, flags.DEFINE_string, "data_dir", None, "TFDS data dir; "
+    main_lib.define_flag(flag_values, flags.DEFINE_string, "data_dir", None, "TFDS data dir; "
                "default: $TFDS_DATA_DIR, else the TFDS default.")
 
 
@@ -99,4 +99,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=cli.parse_flags)
+    app.run(main, flags_parser=main_lib.parse_flags)

@@ -21,25 +21,27 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from absl import app, flags
+import tensorflow as tf
 
-from trainer import cli
+from trainer import main as main_lib
 
 FLAGS = flags.FLAGS
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
-    cli.define(flag_values, flags.DEFINE_integer, "workers", 2, "Worker processes.",
+    main_lib.define_flag(flag_values, flags.DEFINE_integer, "workers", 2, "Worker processes.",
                lower_bound=2)
-    cli.define(flag_values, flags.DEFINE_integer, "kills", 5, "Kills before the run "
+    main_lib.define_flag(flag_values, flags.DEFINE_integer, "kills", 5, "Kills before the run "
                "may finish.", lower_bound=1)
-    cli.define(flag_values, flags.DEFINE_string, "work_dir", None, "Empty directory for "
+    main_lib.define_flag(flag_values, flags.DEFINE_string, "work_dir", None, "Empty directory for "
                "the two runs and their logs.")
-    cli.define(flag_values, flags.DEFINE_float, "max_wait", 20.0, "Longest random wait "
+    main_lib.define_flag(flag_values, flags.DEFINE_float, "max_wait", 20.0, "Longest random wait "
                "after a new checkpoint before a kill, in seconds.")
-    cli.define(flag_values, flags.DEFINE_integer, "seed", None, "Seed of the kill "
+    main_lib.define_flag(flag_values, flags.DEFINE_integer, "seed", None, "Seed of the kill "
                "schedule (default: random; printed).")
     flags.mark_flag_as_required("work_dir", flag_values)
 
@@ -53,35 +55,49 @@ class Kill:
 
 
 def _latest_step(model_dir: str) -> int:
-    index = os.path.join(model_dir, "checkpoint")
-    if not os.path.exists(index):
-        return 0
-    match = re.search(r'model_checkpoint_path: ".*?ckpt-(\d+)"', open(index).read())
-    return int(match.group(1)) if match else 0
+    path = tf.train.latest_checkpoint(model_dir)
+    return int(path.rsplit("-", 1)[-1]) if path else 0
 
 
-def _launch(workers: int, trainer_args: list[str], model_dir: str, log_path: str):
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.tools.launch", f"--workers={workers}", "--",
-         *trainer_args, f"--model_dir={model_dir}"], stdout=log, stderr=subprocess.STDOUT,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), text=True)
-    return proc, log
+class _Launch:
+    """One `trainer.tools.launch` run; its output copied to log_path (any file
+    system) by a thread that also notes the workers' pids."""
 
+    def __init__(self, workers: int, trainer_args: list[str], model_dir: str,
+                 log_path: str):
+        self.log_path, self.workers, self.pids = log_path, workers, {}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trainer.tools.launch", f"--workers={workers}", "--",
+             *trainer_args, f"--model_dir={model_dir}"], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+            text=True)
+        self._copier = threading.Thread(target=self._copy, daemon=True)
+        self._copier.start()
 
-def _pids(log_path: str, workers: int, deadline: float) -> dict[int, int]:
-    """The workers' pids, from the launcher's '[launch] worker i: pid P' lines."""
-    while time.time() < deadline:
-        found = {int(m.group(1)): int(m.group(2)) for m in re.finditer(
-            r"\[launch\] worker (\d+): pid (\d+)", open(log_path).read())}
-        if len(found) == workers:
-            return found
-        time.sleep(0.1)
-    raise RuntimeError(f"the launcher did not start {workers} workers; see {log_path}")
+    def _copy(self) -> None:
+        with tf.io.gfile.GFile(self.log_path, "w") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                match = re.match(r"\[launch\] worker (\d+): pid (\d+)", line)
+                if match:
+                    self.pids[int(match.group(1))] = int(match.group(2))
+
+    def wait_for_pids(self, deadline: float) -> dict[int, int]:
+        while len(self.pids) < self.workers and time.time() < deadline:
+            time.sleep(0.1)
+        if len(self.pids) < self.workers:
+            raise RuntimeError(f"the launcher did not start {self.workers} workers; see "
+                               f"{self.log_path}")
+        return dict(self.pids)
+
+    def wait(self, timeout: float | None = None) -> int:
+        status = self.proc.wait(timeout=timeout)
+        self._copier.join(timeout=10)
+        return status
 
 
 def _sha(model_dir: str) -> str:
-    with open(os.path.join(model_dir, "metrics.json")) as f:
+    with tf.io.gfile.GFile(os.path.join(model_dir, "metrics.json")) as f:
         return json.load(f)["weights_sha256"]
 
 
@@ -90,35 +106,33 @@ def run(workers: int, kills: int, work_dir: str, trainer_args: list[str],
     """Returns (the kills, reference sha, killed run's sha)."""
     rng = random.Random(seed)
     logs = os.path.join(work_dir, "logs")
-    os.makedirs(logs, exist_ok=True)
+    tf.io.gfile.makedirs(logs)
     reference, killed = (os.path.join(work_dir, name) for name in ("reference", "killed"))
     say(f"reference run: {reference}")
-    proc, log = _launch(workers, trainer_args, reference, os.path.join(logs, "reference.log"))
-    if proc.wait() != 0:
+    if _Launch(workers, trainer_args, reference, os.path.join(logs, "reference.log")
+               ).wait() != 0:
         raise RuntimeError(f"the reference run failed; see {logs}/reference.log")
-    log.close()
     done: list[Kill] = []
     for segment in range(kills + 1):
         log_path = os.path.join(logs, f"killed_{segment}.log")
         start_step, started = _latest_step(killed), time.time()
-        proc, log = _launch(workers, trainer_args, killed, log_path)
+        launch = _Launch(workers, trainer_args, killed, log_path)
         if segment == kills:  # the last segment runs to the end
-            if proc.wait() != 0:
+            if launch.wait() != 0:
                 raise RuntimeError(f"the final segment failed; see {log_path}")
             say(f"final segment: resumed from step {start_step}, ran to the end")
             break
-        pids = _pids(log_path, workers, time.time() + 120)
-        while _latest_step(killed) <= start_step and proc.poll() is None:
+        pids = launch.wait_for_pids(time.time() + 120)
+        while _latest_step(killed) <= start_step and launch.proc.poll() is None:
             time.sleep(0.05)  # no kill before this segment has saved once: progress
         time.sleep(rng.uniform(0.0, max_wait))
-        if proc.poll() is not None:
+        if launch.proc.poll() is not None:
             raise RuntimeError(f"the run ended before kill {segment + 1}; train longer "
                                f"or lower --max_wait (see {log_path})")
         worker = rng.randrange(workers)
         os.kill(pids[worker], signal.SIGKILL)
         kill = Kill(time.time() - started, worker, start_step, _latest_step(killed))
-        proc.wait(timeout=120)  # the launcher stops the other workers
-        log.close()
+        launch.wait(timeout=120)  # the launcher stops the other workers
         done.append(kill)
         say(f"kill {segment + 1}: worker {worker} after {kill.seconds_into_segment:.1f} s "
             f"(segment resumed from step {start_step}; newest checkpoint then: step "
@@ -128,7 +142,7 @@ def run(workers: int, kills: int, work_dir: str, trainer_args: list[str],
 
 def main(argv: list[str]) -> None:
     trainer_args = argv[1:]
-    if os.path.exists(FLAGS.work_dir) and os.listdir(FLAGS.work_dir):
+    if tf.io.gfile.exists(FLAGS.work_dir) and tf.io.gfile.listdir(FLAGS.work_dir):
         print(f"error: --work_dir={FLAGS.work_dir} is not empty; choose a new directory",
               file=sys.stderr)
         sys.exit(2)
@@ -148,4 +162,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=cli.parse_flags)
+    app.run(main, flags_parser=main_lib.parse_flags)

@@ -19,7 +19,7 @@ import time
 
 from absl import app, flags
 
-from trainer import cli
+from trainer import main as main_lib
 
 FLAGS = flags.FLAGS
 GRACE_SECONDS = 10  # SIGTERM first (a checkpoint may be saved), then SIGKILL
@@ -104,7 +104,7 @@ def launch(workers: int, trainer_args: list[str]) -> int:
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     """launch's one flag (defining twice is a no-op); trainer.main's flags go after
     `--`, where absl stops parsing."""
-    cli.define(flag_values, flags.DEFINE_integer, "workers", 2, "Worker processes.",
+    main_lib.define_flag(flag_values, flags.DEFINE_integer, "workers", 2, "Worker processes.",
                lower_bound=1)
 
 
@@ -123,4 +123,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=cli.parse_flags)
+    app.run(main, flags_parser=main_lib.parse_flags)
