@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from absl import logging
 
-from trainer import schedules
+from trainer import distributed, schedules
 from trainer.output import progress_bar
 
 
@@ -113,8 +113,7 @@ class _Window:
     def means(self, global_batch_size: int) -> tuple[dict[str, float], float]:
         """({metric: total / weight}, images/sec)."""
         rate = self.steps * global_batch_size / max(self.seconds, 1e-9)
-        return {key: total / weight if weight else 0.0
-                for key, (total, weight) in self.sums.items()}, rate
+        return distributed.means(self.sums), rate
 
 
 class Stopwatch:
