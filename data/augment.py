@@ -26,21 +26,23 @@ def _seeds(seed: tf.Tensor, count: int) -> list[tf.Tensor]:
 
 
 def pad_crop_flip(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor,
-                  pad: int = 4) -> Batch:
-    """Per image: a random crop after zero-padding `pad` pixels, and a random flip.
+                  pad: int = 4, mode: str = "CONSTANT", flip: bool = True) -> Batch:
+    """Per image: a random crop after padding `pad` pixels (zeros, or mode="REFLECT"),
+    and a random flip (unless flip=False).
 
     Both are one gather of row and column indices; a flip is the columns reversed.
     """
     batch = tf.shape(images)[0]
     height, width = images.shape[1], images.shape[2]
     crop_seed, flip_seed = _seeds(seed, 2)
-    padded = tf.pad(images, [[0, 0], [pad, pad], [pad, pad], [0, 0]])
+    padded = tf.pad(images, [[0, 0], [pad, pad], [pad, pad], [0, 0]], mode=mode)
     offsets = tf.random.stateless_uniform([batch, 2], crop_seed, 0, 2 * pad + 1,
                                           dtype=tf.int32)
     rows = offsets[:, :1] + tf.range(height)[None, :]
     cols = offsets[:, 1:] + tf.range(width)[None, :]
-    flip = tf.random.stateless_uniform([batch, 1], flip_seed) < 0.5
-    cols = tf.where(flip, tf.reverse(cols, axis=[1]), cols)
+    if flip:
+        flips = tf.random.stateless_uniform([batch, 1], flip_seed) < 0.5
+        cols = tf.where(flips, tf.reverse(cols, axis=[1]), cols)
     images = tf.gather(padded, rows, axis=1, batch_dims=1)
     return tf.gather(images, cols, axis=2, batch_dims=1), labels
 
@@ -94,12 +96,27 @@ def identity(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor | None = None
     return images, labels
 
 
+def alternating_flip(images: tf.Tensor, indices: tf.Tensor, epoch: tf.Tensor,
+                     seed: int) -> tf.Tensor:
+    """airbench's flip: image i is mirrored in epoch e iff its own random bit (a hash
+    of (seed, i)) differs from e's parity. So each image is seen both ways in every
+    two epochs, instead of by chance. A pure function of (i, e, seed)."""
+    hashed = (tf.cast(indices, tf.int64) * 2654435761 + seed * 40503 + 12345) % 2**32
+    own_bit = (hashed // 2**15) % 2
+    flip = tf.not_equal(own_bit, tf.cast(epoch, tf.int64) % 2)
+    return tf.where(flip[:, None, None, None], tf.reverse(images, axis=[2]), images)
+
+
 TRAIN_AUGMENTATIONS: dict[str, Callable[..., Batch]] = {
     "pad_crop_flip": pad_crop_flip,
+    # airbench's: a random 2-pixel translation of the reflect-padded image.
+    "translate": functools.partial(pad_crop_flip, pad=2, mode="REFLECT", flip=False),
+    "translate_flip": functools.partial(pad_crop_flip, pad=2, mode="REFLECT"),
     "flip_saturation": flip_saturation,
     "crop_flip_saturation": crop_flip_saturation,
     "none": identity,
 }
+NO_FLIP = ("translate", "none")  # what --alternating_flip may be combined with
 
 
 def make_normalize(mean, std) -> Callable[..., Batch]:

@@ -10,6 +10,8 @@ from typing import Callable
 
 import tensorflow as tf
 
+from data import augment as augment_lib
+
 AUTOTUNE = tf.data.AUTOTUNE
 
 
@@ -32,7 +34,8 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
                cache: bool = True, prepare: Callable | None = None,
                num_examples: int | None = None, shard: bool = True,
                start_step: int = 0, mix: Callable | None = None,
-               end_step: int | None = None) -> tf.data.Dataset:
+               end_step: int | None = None,
+               flip_every_other_epoch: bool = False) -> tf.data.Dataset:
     """shard -> prepare -> cache blocks -> [per epoch: block_shuffle -> batch] -> skip to
     `start_step` -> augment -> normalize -> mix -> prefetch.
 
@@ -50,6 +53,8 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
     `augment(images, labels, seed)` and `normalize` take whole batches;
     `mix(images, labels, seed) -> (images, targets)` takes normalized batches
     (data.augment.make_mix). end_step: the stream ends there (None: endless).
+    flip_every_other_epoch: airbench's alternating flip (data.augment.alternating_flip),
+    before `augment`, keyed by each example's index in this worker's shard.
     shard=False: `ds` is already this worker's shard (data.sources.load(context=...)).
     """
     batch = per_replica_batch_size(global_batch_size, context)
@@ -57,6 +62,8 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
         ds = _shard(ds, context)
     if prepare is not None:
         ds = ds.map(prepare, num_parallel_calls=AUTOTUNE)
+    # Each example's index in the shard travels with it (the alternating flip's key).
+    ds = ds.enumerate().map(lambda index, example: (*example, index))
     if num_examples:  # a buffer beyond the shard only delays the first batch
         shuffle_buffer = min(shuffle_buffer,
                              math.ceil(num_examples / context.num_input_pipelines))
@@ -81,9 +88,12 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
         # MultiWorkerMirroredStrategy: ~Iterator waiting on a tf.data thread).
         ds = ds.take((end_step - start_step) * per_step)
 
-    def augment_normalize_mix(position, images, labels):
+    def augment_normalize_mix(position, images, labels, indices):
         key = tf.cast(tf.stack([pipeline_seed, position[0] * 1_000_003 + position[1]]),
                       tf.int64)
+        if flip_every_other_epoch:
+            images = augment_lib.alternating_flip(images, indices, position[0],
+                                                  pipeline_seed)
         if mix is None:  # the whole key, as before mixing existed: same batches bitwise
             images, labels = normalize(*augment(images, labels, key))
             return {"image": images, "label": tf.cast(labels, tf.int32)}

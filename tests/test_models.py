@@ -7,15 +7,15 @@ import models
 from models import squeezenet, xception
 
 SHAPES = {"cifar_cnn": (32, 32, 3), "resnet": (32, 32, 3), "resnet_fast": (32, 32, 3),
-          "resnet_aux": (32, 32, 3),
+          "resnet_aux": (32, 32, 3), "airbench": (32, 32, 3), "airbench_small": (32, 32, 3),
           "convnet": (64, 64, 3),
           "squeezenet": (64, 64, 3), "xception": (64, 64, 3)}
 
 
 def test_unknown_model_lists_known_ones():
-    with pytest.raises(ValueError, match="unknown model 'resnet9'; valid: cifar_cnn, "
-                                         "convnet, resnet, resnet_aux, resnet_fast, squeezenet, "
-                                         "xception"):
+    with pytest.raises(ValueError, match="unknown model 'resnet9'; valid: airbench, "
+                                         "airbench_small, cifar_cnn, convnet, resnet, "
+                                         "resnet_aux, resnet_fast, squeezenet, xception"):
         models.build("resnet9", 10, (32, 32, 3))
 
 

@@ -106,13 +106,12 @@ def _train(strategy, config, spec, plan, initial_weights, data: dict, num_steps:
     with strategy.scope():
         model = checkable(models.build(config.model, spec.num_classes,
                                        inputs.image_shape(config, spec),
-                                       tiny=config.model_size == "tiny"),
+                                       tiny=config.model_size == "tiny",
+                                       options=config.model_options),
                           freeze_batch_norm=config.grad_accum_steps > 1)
         model.set_weights(initial_weights)
-        optimizer = optimizers.create(config.optimizer, loop.make_schedule(config, plan),
-                                      model.trainable_variables, config.weight_decay,
-                                      config.momentum, "float32", config.ema_decay)
-    options = step.StepOptions.from_config(config)
+        optimizer = loop.build_optimizer(config, loop.make_schedule(config, plan), model)
+    options = step.StepOptions.from_config(config, total_steps=plan.total_steps)
     dataset = tf.data.Dataset.from_tensor_slices(data).batch(config.batch_size)
     dataset = dataset.with_options(_no_autoshard())
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
@@ -155,7 +154,8 @@ def run_check(config: config_lib.Config, num_steps: int = 3, tolerance: float = 
     try:
         initial = models.build(config.model, spec.num_classes,
                                inputs.image_shape(config, spec),
-                               tiny=config.model_size == "tiny").get_weights()
+                               tiny=config.model_size == "tiny",
+                               options=config.model_options).get_weights()
     except ValueError as err:  # e.g. an image too small for the model
         raise config_lib.ConfigError(str(err)) from err
     names, one, one_metrics = _train(tf.distribute.OneDeviceStrategy(devices[0]), config,

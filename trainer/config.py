@@ -41,6 +41,9 @@ class Config:
     # --- what to train, on what ---
     model: str = _("cifar_cnn", f"Model: {_choices(models.names())}.")
     model_size: str = _("full", "full|tiny (tiny: the small test variant).")
+    model_options: str = _("", "The model builder's own options, 'name=value,...' (e.g. "
+                           "'widths=32:64:128,whiten=false' for airbench; tuples as "
+                           "a:b:c).")
     dataset: str = _("cifar10", f"Dataset: {_choices(sources.names())}, or "
                      "'tfrecord:PATTERN[;eval=EVAL_PATTERN][;classes=N]' (TFRecords in "
                      "the flowers codelab's format, local or gs://; without eval= a "
@@ -72,6 +75,10 @@ class Config:
     min_learning_rate: float = _(0.0, "Warmup start and floor of the decaying schedules.")
     weight_decay: float = _(0.0, "Decoupled weight decay (not applied to biases and "
                             "norm layers).")
+    lr_multipliers: str = _("", "Per-variable learning-rate factors, 'PATTERN=FACTOR,...': "
+                            "the first glob matching a trainable variable's path wins "
+                            "(e.g. '*/beta=64': batch-norm biases x64, as airbench; "
+                            "weight decay is not multiplied).")
     # --- the training step (read in trainer/step.py) ---
     label_smoothing: float = _(0.0, "Mix the one-hot target with uniform by this "
                                "weight (0: off).")
@@ -89,6 +96,14 @@ class Config:
                             "mixup too, each batch uses one of the two at random.")
     tta_flip: bool = _(False, "Evaluate on each test image and its mirror image, "
                        "averaging the logits.")
+    tta_translate: bool = _(False, "Also evaluate on the image shifted one pixel up-left "
+                            "and down-right (reflect-padded; with --tta_flip, airbench's "
+                            "6-view multi-crop), half the weight to the shifted views.")
+    lookahead_every: int = _(0, "Lookahead (airbench): every N steps move slow weights "
+                             "towards the weights by (1 - decay) and set the weights to "
+                             "them; decay = lookahead_decay^N * (step/total)^3; at the "
+                             "end the weights are the slow ones (0: off).")
+    lookahead_decay: float = _(0.95, "Lookahead's per-step decay (see --lookahead_every).")
     ema_decay: float = _(0.0, "Weight averaging: keep an exponential moving average of "
                          "the weights with this per-step decay (e.g. 0.99), evaluate "
                          "and save it; metrics also show the raw weights' accuracy (0: "
@@ -115,6 +130,10 @@ class Config:
     shuffle_buffer: int = _(10_000, "Training shuffle: blocks of this many examples, "
                             "visited in a random order, each permuted; the order depends "
                             "only on --seed and the epoch (0: no shuffle).")
+    alternating_flip: bool = _(False, "Flip each training image on alternate epochs "
+                               "(its first-epoch flip at random), instead of at random "
+                               "every epoch (airbench). Needs an augmentation that does "
+                               "not flip by itself, e.g. --augment=translate.")
     augment: str = _("", f"Training augmentation: "
                      f"{_choices(augment_lib.TRAIN_AUGMENTATIONS)} (default: the "
                      "dataset's own: pad_crop_flip for CIFAR, flip_saturation for "
@@ -126,6 +145,13 @@ class Config:
                     "updates the weights; then stop (an error naming the steps; "
                     "checkpoints kept) or skip_step (count it and go on).")
     seed: int = _(0, "Seed for weights, shuffling and augmentation.")
+    # --- measuring ---
+    measure_peak: bool = _(False, "Measure this device's matmul FLOP/s at start-up (a "
+                           "few seconds) and show the step's FLOP/s as a fraction of it.")
+    profile_steps: str = _("", "'A,B': write a TensorFlow profiler trace of steps A to B "
+                           "to the run's TensorBoard directory (model_dir/train, the "
+                           "Profile tab); summarise it with python -m "
+                           "trainer.tools.profile_summary.")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -152,6 +178,18 @@ def resolve(values: dict[str, Any], explicit: set[str]
     values["model_dir"] = values["model_dir"] or default_model_dir(values["model"],
                                                                    values["dataset"])
     return Config(**values), origin
+
+
+def profile_range(text: str) -> tuple[int, int]:
+    """'A,B' -> (A, B) with 0 <= A < B; ConfigError otherwise."""
+    try:
+        first, last = (int(part) for part in text.split(","))
+    except ValueError:
+        first = last = -1
+    if not 0 <= first < last:
+        raise ConfigError(f"--profile_steps={text!r}: give two steps 'A,B' with "
+                          f"0 <= A < B, e.g. '20,30'")
+    return first, last
 
 
 def _check_choice(name: str, value: str, valid) -> None:
@@ -187,7 +225,7 @@ def validate(config: Config, model_names, dataset_names) -> Config:
     for name in ("epochs", "train_steps", "warmup_epochs", "weight_decay",
                  "sustain_epochs", "min_learning_rate", "log_every", "eval_every",
                  "checkpoint_every", "shuffle_buffer", "image_size", "clip_grad_norm",
-                 "aux_loss_weight", "mixup_alpha", "cutmix_alpha"):
+                 "aux_loss_weight", "mixup_alpha", "cutmix_alpha", "lookahead_every"):
         _check_positive(name, getattr(config, name), allow_zero=True)
     if config.epochs == 0 and config.train_steps == 0:
         raise ConfigError("nothing to train: set --epochs or --train_steps above 0")
@@ -197,6 +235,16 @@ def validate(config: Config, model_names, dataset_names) -> Config:
     if not 0 <= config.ema_decay < 1:
         raise ConfigError(f"--ema_decay must be in [0, 1) (0: no averaging), got "
                           f"{config.ema_decay}")
+    if not 0 < config.lookahead_decay <= 1:
+        raise ConfigError(f"--lookahead_decay must be in (0, 1], got "
+                          f"{config.lookahead_decay}")
+    if config.alternating_flip and config.augment not in augment_lib.NO_FLIP:
+        given = config.augment or "(the dataset's default)"
+        raise ConfigError(f"--alternating_flip needs an augmentation that does not flip "
+                          f"at random itself, got --augment={given}; use "
+                          f"{' or '.join(augment_lib.NO_FLIP)}")
+    if config.profile_steps:
+        profile_range(config.profile_steps)  # raises if malformed
     if not 0 < config.lr_decay_rate <= 1:
         raise ConfigError(f"--lr_decay_rate must be in (0, 1], got {config.lr_decay_rate}")
     if config.require_tpu and config.strategy not in ("auto", "tpu"):

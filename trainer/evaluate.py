@@ -75,7 +75,8 @@ class Evaluator:
         with strategy.scope():
             self.model = models.build(config.model, spec.num_classes,
                                       inputs.image_shape(config, spec),
-                                      tiny=config.model_size == "tiny")
+                                      tiny=config.model_size == "tiny",
+                                      options=config.model_options)
             # The optimizer only for --ema_decay, whose average lives in it (its
             # other state, e.g. a GPU run's loss scale, is not needed here).
             self.optimizer = optimizers.create(

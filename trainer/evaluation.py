@@ -26,18 +26,18 @@ def load_samples(spec: sources.DatasetSpec, image_size: int, data_dir: str | Non
 
 
 def predict_samples(model, samples: dict, spec: sources.DatasetSpec,
-                    tta_flip: bool = False) -> dict:
+                    tta: dict | None = None) -> dict:
     """samples + the model's predicted class and its probability per image (an eager
     call on this worker alone: no collective, so the chief may do it by itself)."""
     probabilities = inference.class_probabilities(model, samples["images"], spec,
-                                                  tta_flip)
+                                                  tta)
     return {**samples, "predictions": probabilities.argmax(-1),
             "confidence": probabilities.max(-1)}
 
 
 def evaluate(eval_loop, eval_dataset, eval_steps: int, model=None,
              samples: dict | None = None, spec: sources.DatasetSpec | None = None,
-             tta_flip: bool = False) -> dict:
+             tta: dict | None = None) -> dict:
     """`test_<name>` for every scalar metric of the eval step, `test_examples`,
     `confusion` (counts, rows = true class) if the step makes one, and `samples`
     with predictions if given."""
@@ -48,5 +48,5 @@ def evaluate(eval_loop, eval_dataset, eval_steps: int, model=None,
     if "confusion" in sums:
         result["confusion"] = np.rint(sums["confusion"][0]).astype(np.int64)
     if samples is not None:
-        result["samples"] = predict_samples(model, samples, spec, tta_flip)
+        result["samples"] = predict_samples(model, samples, spec, tta)
     return result

@@ -3,6 +3,7 @@ step) and the exact evaluation pipeline, built from the config and the dataset's
 spec; and read errors turned into messages that name the bad file."""
 import contextlib
 
+import numpy as np
 import tensorflow as tf
 
 from data import augment, pipeline, sources
@@ -38,8 +39,23 @@ def train_input_fn(config: Config, spec: sources.DatasetSpec, train_examples: in
                                    num_examples=train_examples, shard=False,
                                    start_step=start_step, end_step=end_step,
                                    mix=augment.make_mix(spec.num_classes, config.mixup_alpha,
-                                                        config.cutmix_alpha))
+                                                        config.cutmix_alpha),
+                                   flip_every_other_epoch=config.alternating_flip)
     return train_fn
+
+
+def init_images(config: Config, spec: sources.DatasetSpec, count: int = 5000
+                ) -> np.ndarray:
+    """The first `count` training images as the model sees them (resized,
+    normalized, not augmented): float32 [count, H, W, C], the same on every worker.
+    For layers initialised from data (models.init_from_data)."""
+    ds, _ = sources.load(spec, spec.train_split, config.data_dir, config.download_data)
+    prepare = _prepare(config, spec)
+    if prepare is not None:
+        ds = ds.map(prepare)
+    images, labels = next(iter(ds.take(count).batch(count)))
+    images, _ = augment.make_normalize(spec.mean, spec.std)(images, labels)
+    return images.numpy()
 
 
 def eval_input_fn(config: Config, spec: sources.DatasetSpec):

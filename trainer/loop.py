@@ -15,9 +15,10 @@ import tensorflow as tf
 
 from data import pipeline, sources
 import models
-from trainer import averaging, checkpoints, distributed, evaluation, faults, inputs
-from trainer import optimizers, schedules, step
+from trainer import averaging, checkpoints, distributed, evaluation, faults, flops
+from trainer import inputs, optimizers, schedules, step
 from trainer import strategy as strategy_lib
+from trainer import config as config_lib
 from trainer.config import Config, ConfigError
 from trainer.output import figures, progress_bar, recorder as recorder_lib
 from trainer.output import progress as progress_lib
@@ -65,6 +66,27 @@ def make_schedule(config: Config, plan: Plan) -> schedules.WarmupSchedule:
         floor=config.min_learning_rate)
 
 
+def build_model(config: Config, spec: sources.DatasetSpec) -> keras.Model:
+    """The run's model (fresh weights, or --weights); call under the strategy's scope."""
+    return models.build(config.model, spec.num_classes, inputs.image_shape(config, spec),
+                        tiny=config.model_size == "tiny", weights=config.weights,
+                        options=config.model_options)
+
+
+def build_optimizer(config: Config, schedule, model: keras.Model,
+                    precision: str = "float32") -> keras.optimizers.Optimizer:
+    """The run's optimizer, built, with its learning-rate multipliers and, with
+    --lookahead_every, the Lookahead's slow weights; call under the strategy's
+    scope, after any initialisation of the weights."""
+    optimizer = optimizers.create(config.optimizer, schedule, model.trainable_variables,
+                                  config.weight_decay, config.momentum, precision,
+                                  config.ema_decay, config.lr_multipliers)
+    if config.lookahead_every:
+        averaging.add_lookahead(optimizer, model.trainable_variables
+                                + step.moving_statistics(model))
+    return optimizer
+
+
 def counts(config: Config, spec: sources.DatasetSpec) -> tuple[int, int]:
     """(training examples, evaluation examples)."""
     return tuple(sources.load(spec, split, config.data_dir, config.download_data)[1]
@@ -88,9 +110,11 @@ def plot_schedule(config: Config) -> str:
     return path
 
 
-def _next_stop(step: int, total: int, steps_per_loop: int, *intervals: int) -> int:
-    """The next step at which the loop must return to Python."""
-    stops = [total, step + steps_per_loop]
+def _next_stop(step: int, total: int, steps_per_loop: int, *intervals: int,
+               marks: tuple[int, ...] = ()) -> int:
+    """The next step at which the loop must return to Python: a multiple of an
+    interval, or one of the `marks`."""
+    stops = [total, step + steps_per_loop, *(m for m in marks if m > step)]
     stops += [(step // i + 1) * i for i in intervals if i > 0]
     return min(stops)
 
@@ -124,21 +148,30 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     # --- Model, optimizer and checkpoint, created under the strategy ---------------
     with strategy.scope():
         try:
-            model = models.build(config.model, spec.num_classes,
-                                 inputs.image_shape(config, spec),
-                                 tiny=config.model_size == "tiny", weights=config.weights)
-        except ValueError as err:  # bad weights file, image too small for the model
+            model = build_model(config, spec)
+            # Layers set from the data, e.g. airbench's patch whitening (a resumed run
+            # then restores them from the checkpoint, like every weight).
+            if models.needs_data(model):
+                models.init_from_data(model, inputs.init_images(config, spec))
+            schedule = make_schedule(config, plan)  # a function of optimizer.iterations
+            optimizer = build_optimizer(config, schedule, model, precision)
+        except ValueError as err:  # bad weights file, image too small, bad option
             raise ConfigError(str(err)) from err
-        schedule = make_schedule(config, plan)  # a function of optimizer.iterations
-        optimizer = optimizers.create(config.optimizer, schedule, model.trainable_variables,
-                                      config.weight_decay, config.momentum, precision,
-                                      config.ema_decay)
         checkpoint = checkpoints.training_checkpoint(model, optimizer)
     step_options = step.StepOptions.from_config(
-        config, confusion_classes=(spec.num_classes if spec.num_classes <=
-                                   evaluation.MAX_CONFUSION_CLASSES else 0))
+        config, total_steps=plan.total_steps,
+        confusion_classes=(spec.num_classes if spec.num_classes <=
+                           evaluation.MAX_CONFUSION_CLASSES else 0))
     progress_lib.log_setup(config, spec, runtime, plan, precision, jit, schedule, model,
                            step_options)
+    # The step's arithmetic, counted once, for the GFLOP/s of every log line.
+    flops_per_image = flops.training_flops_per_image(
+        config.model, spec.num_classes, inputs.image_shape(config, spec),
+        config.model_size == "tiny", config.model_options)
+    peak = flops.peak_flops(precision) if config.measure_peak else 0.0
+    logging.info("%.0f MFLOP per training image%s", flops_per_image / 1e6,
+                 f"; this device's {precision} matmul peak {peak / 1e9:.0f} GFLOP/s"
+                 if peak else "")
     restored = checkpoints.restore_latest(checkpoint, config.model_dir)
     # optimizer.iterations is the one step counter: schedule, data position, logs.
     start_step = int(optimizer.iterations.numpy())
@@ -173,14 +206,15 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
         the raw weights' accuracy too)."""
         return averaging.evaluate_raw_and_averaged(
             lambda: evaluation.evaluate(eval_loop, eval_dataset, plan.eval_steps, model,
-                                        samples, spec, config.tta_flip), optimizer)
+                                        samples, spec, step.tta_of(config)), optimizer)
 
     # --- What people see --------------------------------------------------------------
     display = display or sys.stderr
     bars = (progress_bar.EpochBars(plan.total_steps, plan.steps_per_epoch, display)
             if is_chief and progress_bar.is_live_terminal(display) else None)
     progress = progress_lib.Progress(plan.total_steps, plan.steps_per_epoch,
-                                     config.batch_size, start_step, bars)
+                                     config.batch_size, start_step, bars,
+                                     flops_per_image, peak)
     recorder = recorder_lib.Recorder(config.model_dir, is_chief, start_step,
                                      spec.class_names, f"{config.model} on {config.dataset}")
     wall = progress_lib.Stopwatch()
@@ -208,18 +242,31 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
              "checkpoint": config.checkpoint_every or plan.steps_per_epoch,
              "log": config.log_every or plan.steps_per_epoch}
     current, evaluated = start_step, False
+    profile = (config_lib.profile_range(config.profile_steps)
+               if config.profile_steps and is_chief else ())
+    profiling = False
     with inputs.data_errors_explained(spec), faults.SigtermWatcher() as sigterm, (
             bars.above_the_bar() if bars else contextlib.nullcontext()):
         train_iterator = iter(train_dataset)
         while current < plan.total_steps:
             # Back in Python at every epoch's end too: the progress bar starts anew.
             stop = _next_stop(current, plan.total_steps, config.steps_per_loop,
-                              plan.steps_per_epoch, *every.values())
+                              plan.steps_per_epoch, *every.values(), marks=profile)
+            if profile and current == profile[0]:  # a trace for TensorBoard's Profile tab
+                tf.profiler.experimental.start(os.path.join(config.model_dir, "train"))
+                profiling = True
             with progress_lib.Stopwatch() as watch:
                 sums, stop_requested = train_loop(train_iterator,
                                                   tf.constant(stop - current),
                                                   tf.constant(float(sigterm.requested)))
                 sums = tf.nest.map_structure(lambda t: t.numpy(), sums)  # waits
+            if profiling and stop >= profile[1]:
+                tf.profiler.experimental.stop()
+                profiling = False
+                logging.info("profiler trace of steps %d-%d in %s (TensorBoard's Profile "
+                             "tab; python -m trainer.tools.profile_summary --logdir=%s)",
+                             profile[0], profile[1], os.path.join(config.model_dir, "train"),
+                             config.model_dir)
             skipped = progress.add(sums, stop - current, watch.seconds)
             if skipped and config.on_nan == "stop":
                 raise faults.TrainingDivergedError(
@@ -263,6 +310,7 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
             **{k: v for k, v in last_train.items() if k.startswith("train_")},
             "train_seconds": history[-1]["train_seconds"],
             "images_per_second": progress.images_per_second(current),
+            **progress.flop_rates(current),
             "steps": current, "epochs": current / plan.steps_per_epoch,
             "resumed_from_step": start_step, "skipped_steps": progress.skipped_steps,
             "weights_sha256": progress_lib.weights_checksum(model),

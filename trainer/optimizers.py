@@ -7,6 +7,8 @@ own cross-replica sum inside `apply` is switched off (`_SummedGradients`).
 the data position, checkpoints and logs all read it, and a skipped update still
 advances it (its batch was consumed).
 """
+import fnmatch
+
 import keras
 import tensorflow as tf
 
@@ -16,10 +18,25 @@ NAMES = ("adam", "adamw", "sgd")
 class _SummedGradients:
     """Mixin for a Keras optimizer whose gradients arrive already summed over the
     replicas: without it, `apply` inside a replica context would all-reduce them a
-    second time (Keras 3 has no switch for this; the sum lives in one method)."""
+    second time (Keras 3 has no switch for this; the sum lives in one method).
+    Also: per-variable learning-rate multipliers (`set_lr_multipliers`)."""
+
+    _lr_multipliers: tuple[float, ...] = ()  # by variable index; () for all 1
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
         return grads_and_vars
+
+    def set_lr_multipliers(self, multipliers: list[float]) -> None:
+        """The learning rate of variable i (in build order) times multipliers[i].
+        Decoupled weight decay is not multiplied (as in airbench)."""
+        self._lr_multipliers = tuple(multipliers)
+
+    def update_step(self, gradient, variable, learning_rate):
+        if self._lr_multipliers:
+            factor = self._lr_multipliers[self._get_variable_index(variable)]
+            if factor != 1.0:
+                learning_rate = learning_rate * factor
+        return super().update_step(gradient, variable, learning_rate)
 
 
 class Adam(_SummedGradients, keras.optimizers.Adam):
@@ -34,9 +51,46 @@ class SGD(_SummedGradients, keras.optimizers.SGD):
     pass
 
 
+def parse_lr_multipliers(text: str) -> list[tuple[str, float]]:
+    """'*/beta=64,whiten/*=0' -> [('*/beta', 64.0), ('whiten/*', 0.0)]; ValueError
+    if malformed."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        pattern, _, factor = item.rpartition("=")
+        try:
+            pairs.append((pattern, float(factor)))
+        except ValueError:
+            pattern = ""
+        if not pattern or pairs[-1][1] < 0:
+            raise ValueError(f"--lr_multipliers: {item!r} is not PATTERN=FACTOR with a "
+                             f"factor >= 0 (e.g. '*/beta=64')")
+    return pairs
+
+
+def lr_multipliers(variables, pairs: list[tuple[str, float]]) -> list[float]:
+    """Each variable's multiplier: that of the first glob pattern matching its path
+    (e.g. 'batch_normalization_3/beta'), else 1. A pattern matching nothing is a
+    ValueError (a typo would silently change nothing)."""
+    factors, used = [], set()
+    for variable in variables:
+        factor = 1.0
+        for pattern, value in pairs:
+            if fnmatch.fnmatchcase(variable.path, pattern):
+                factor = value
+                used.add(pattern)
+                break
+        factors.append(factor)
+    unused = [pattern for pattern, _ in pairs if pattern not in used]
+    if unused:
+        raise ValueError(f"--lr_multipliers: {', '.join(unused)} match(es) no trainable "
+                         f"variable; paths look like {variables[0].path!r}")
+    return factors
+
+
 def create(name: str, learning_rate, variables, weight_decay: float = 0.0,
            momentum: float = 0.9, precision: str = "float32",
-           ema_decay: float = 0.0) -> keras.optimizers.Optimizer:
+           ema_decay: float = 0.0, lr_multipliers_text: str = ""
+           ) -> keras.optimizers.Optimizer:
     """Builds and *builds* the optimizer (slot variables exist before the first step).
 
     Call inside `strategy.scope()`: Keras 3 optimizers must create their slots there,
@@ -56,6 +110,9 @@ def create(name: str, learning_rate, variables, weight_decay: float = 0.0,
                         weight_decay=decay, **ema)
     else:
         raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(NAMES)}")
+    if lr_multipliers_text:
+        optimizer.set_lr_multipliers(
+            lr_multipliers(variables, parse_lr_multipliers(lr_multipliers_text)))
     if weight_decay:
         optimizer.exclude_from_weight_decay(var_list=[v for v in variables
                                                       if len(v.shape) <= 1])

@@ -17,7 +17,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from trainer import optimizers
+from trainer import averaging, optimizers
 
 Metric = tuple[tf.Tensor, tf.Tensor]  # (total, weight): shown as total / weight
 SUM = tf.distribute.ReduceOp.SUM
@@ -32,7 +32,11 @@ class StepOptions:
     clip_grad_norm: float = 0.0       # of the summed gradient; 0: off
     grad_accum_steps: int = 1         # micro-batches per replica batch
     aux_loss_weight: float = 0.3      # for a model's "aux_logits" output
+    lookahead_every: int = 0          # pull to the slow weights every k steps; 0: off
+    lookahead_decay: float = 0.95     # per step, compounded over k steps
+    total_steps: int = 0              # of the run (the Lookahead's schedule)
     tta_flip: bool = False            # evaluation: average with the mirror image
+    tta_translate: bool = False       # ... and the 1-pixel shifted views
     confusion_classes: int = 0        # evaluation: a confusion matrix if > 0
 
     @classmethod
@@ -40,7 +44,7 @@ class StepOptions:
         """Every field from the Config field of its name, or from `derived`."""
         names = {f.name for f in dataclasses.fields(cls)}
         missing = names - set(derived) - {n for n in names if hasattr(config, n)}
-        if missing - {"confusion_classes"}:  # a typo would silently keep the default
+        if missing - {"confusion_classes", "total_steps"}:  # a typo would silently keep the default
             raise ValueError(f"StepOptions fields without a Config field of the same "
                              f"name: {sorted(missing)}; add them to trainer/config.py")
         return cls(**{**{n: getattr(config, n) for n in names if hasattr(config, n)},
@@ -113,7 +117,7 @@ def _sums(per_example_loss, logits, labels, weights=None) -> dict[str, Metric]:
             "accuracy": (tf.reduce_sum(hits * weights), count)}
 
 
-def _moving_statistics(model: keras.Model) -> list:
+def moving_statistics(model: keras.Model) -> list:
     """The non-trainable float state a forward pass updates (batch-norm's moving
     mean and variance); not the random generators' state."""
     return [v for v in model.non_trainable_variables
@@ -141,7 +145,7 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, batch:
     """Forward, backward, the cross-replica sum, one update; on one replica."""
     # Batch-norm updates its moving statistics in the forward pass, before anyone
     # knows whether the gradient is finite: keep them, to undo a skipped step's.
-    statistics = _moving_statistics(model)
+    statistics = moving_statistics(model)
     kept_statistics = [tf.identity(v) for v in statistics]
     gradients, sums = _micro_batch_gradients(model, optimizer, batch, options)
 
@@ -162,6 +166,9 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, batch:
     optimizers.apply_or_skip(optimizer, gradients, model.trainable_variables, finite)
     for variable, kept in zip(statistics, kept_statistics):
         variable.assign(tf.where(finite, variable, kept))
+    if options.lookahead_every:  # airbench: every k steps, back to the slow weights
+        averaging.lookahead_step(optimizer, options.lookahead_every,
+                                 options.lookahead_decay, options.total_steps)
 
     applied = tf.cast(finite, tf.float32)
     skipped = 1.0 - applied
@@ -175,20 +182,41 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, batch:
             "skipped": (skipped, tf.constant(1.0))}
 
 
-def predict_logits(model: keras.Model, images: tf.Tensor, tta_flip: bool = False):
+def tta_of(settings) -> dict[str, bool]:
+    """The test-time augmentation settings of a Config or a run_config.json dict,
+    as keyword arguments of `predict_logits`."""
+    get = settings.get if isinstance(settings, dict) else lambda k: getattr(settings, k)
+    return {name: bool(get(name)) for name in ("tta_flip", "tta_translate")}
+
+
+def predict_logits(model: keras.Model, images: tf.Tensor, tta_flip: bool = False,
+                   tta_translate: bool = False):
     """float32 logits of the main head; with tta_flip, averaged with the mirror
-    image's. Evaluation, predict and export all use this."""
-    logits = logits_of(model(images, training=False))
-    if tta_flip:
-        logits = (logits + logits_of(model(tf.reverse(images, axis=[2]),
-                                           training=False))) / 2
+    image's; with tta_translate too, airbench's multi-crop: half that, half the
+    mean of the same for the image shifted one pixel up-left and down-right
+    (reflect-padded). Evaluation, predict and export all use this."""
+    def flip_averaged(images):
+        logits = logits_of(model(images, training=False))
+        if tta_flip:
+            logits = (logits + logits_of(model(tf.reverse(images, axis=[2]),
+                                               training=False))) / 2
+        return logits
+
+    logits = flip_averaged(images)
+    if tta_translate:
+        height, width = images.shape[1], images.shape[2]
+        padded = tf.pad(images, [[0, 0], [1, 1], [1, 1], [0, 0]], mode="REFLECT")
+        shifted = [padded[:, :height, :width], padded[:, 2:height + 2, 2:width + 2]]
+        logits = 0.5 * logits + 0.25 * (flip_averaged(shifted[0])
+                                        + flip_averaged(shifted[1]))
     return logits
 
 
 def eval_step(model: keras.Model, batch: dict, options: StepOptions) -> dict[str, Metric]:
     """Loss and accuracy on one replica; padded examples (mask 0) count 0. With
     options.confusion_classes, also `confusion`: counts [true, predicted]."""
-    logits = predict_logits(model, batch["image"], options.tta_flip)
+    logits = predict_logits(model, batch["image"], options.tta_flip,
+                            options.tta_translate)
     per_example_loss = keras.losses.sparse_categorical_crossentropy(
         batch["label"], logits, from_logits=True)
     mask = tf.cast(batch["mask"], tf.float32)

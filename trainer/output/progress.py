@@ -24,8 +24,10 @@ class Progress:
     Every metric the step returns is shown, in the order it returns them."""
 
     def __init__(self, total_steps: int, steps_per_epoch: int, global_batch_size: int,
-                 start_step: int, bars: progress_bar.EpochBars | None = None):
+                 start_step: int, bars: progress_bar.EpochBars | None = None,
+                 flops_per_image: float = 0.0, peak_flops: float = 0.0):
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
+        self.flops_per_image, self.peak_flops = flops_per_image, peak_flops
         self.global_batch_size = global_batch_size
         self.start_step = start_step
         self.train_seconds = 0.0
@@ -53,6 +55,24 @@ class Progress:
         images = (step - self.start_step) * self.global_batch_size
         return images / self.train_seconds if self.train_seconds else 0.0
 
+    def flop_rates(self, step: int) -> dict[str, float]:
+        """The run's achieved training FLOP/s so far (and its fraction of the
+        measured peak), for metrics.json."""
+        rates = {"training_flops_per_image": self.flops_per_image,
+                 "gflops_per_second": self.images_per_second(step)
+                 * self.flops_per_image / 1e9}
+        if self.peak_flops:
+            rates.update(peak_gflops_per_second=self.peak_flops / 1e9,
+                         fraction_of_peak=rates["gflops_per_second"] * 1e9
+                         / self.peak_flops)
+        return rates
+
+    def _flops_text(self, images_per_second: float) -> str:
+        rate = images_per_second * self.flops_per_image
+        text = f"  {rate / 1e9:.0f} GFLOP/s"
+        return text + (f" ({100 * rate / self.peak_flops:.0f}% of peak)"
+                       if self.peak_flops else "")
+
     def _eta(self, step: int, rate: float, until: int | None = None) -> str:
         """Time to `until` (default: the end of the run) at `rate` images/sec."""
         steps_left = (until or self.total_steps) - step
@@ -68,7 +88,7 @@ class Progress:
                         (step - 1) // self.steps_per_epoch * self.steps_per_epoch
                         + self.steps_per_epoch)
         self.bars.update(step, f"{_format(means)}  lr {learning_rate:.3g}  "
-                               f"{rate:,.0f} img/s  "
+                               f"{rate:,.0f} img/s{self._flops_text(rate)}  "
                                f"ETA epoch {self._eta(step, rate, epoch_end)} "
                                f"run {self._eta(step, rate)}")
         if step % self.steps_per_epoch == 0:
@@ -80,14 +100,16 @@ class Progress:
         `train_<name>`."""
         means, rate = self._window.means(self.global_batch_size)
         if self.bars is None:
-            logging.info("step %d/%d  epoch %.2f  %s  lr %.3g  %.0f img/s  ETA %s", step,
-                         self.total_steps, step / self.steps_per_epoch, _format(means),
-                         learning_rate, rate, self._eta(step, rate))
+            logging.info("step %d/%d  epoch %.2f  %s  lr %.3g  %.0f img/s%s  ETA %s",
+                         step, self.total_steps, step / self.steps_per_epoch,
+                         _format(means), learning_rate, rate, self._flops_text(rate),
+                         self._eta(step, rate))
         self._window = _Window()
         return {"step": step, "epoch": step / self.steps_per_epoch,
                 "train_seconds": self.train_seconds,
                 **{f"train_{key}": value for key, value in means.items()},
-                "learning_rate": learning_rate, "images_per_second": rate}
+                "learning_rate": learning_rate, "images_per_second": rate,
+                "gflops_per_second": rate * self.flops_per_image / 1e9}
 
 
 def _format(means: dict[str, float]) -> str:

@@ -7,9 +7,9 @@ Signatures (each returns `probabilities` [N, classes], `class_index` [N] and
 - `serving_default(image_bytes: string [N])`: encoded JPEG, PNG, GIF or BMP images
   of any size;
 - `predict_images(images: uint8 [N, H, W, 3])`: decoded images of any one size.
-Both resize to the model's size and normalize exactly as evaluation does (and
-average with the mirror image if the run evaluated with --tta_flip), so clients
-send plain pixels. Load with `tf.saved_model.load(OUT)`.
+Both resize to the model's size and normalize exactly as evaluation does (with
+the run's test-time augmentation, --tta_flip and --tta_translate), so clients send
+plain pixels. Load with `tf.saved_model.load(OUT)`.
 """
 import os
 import sys
@@ -43,11 +43,11 @@ def serving_functions(trained: inference.TrainedModel) -> dict:
     size, spec, model = trained.image_size, trained.spec, trained.model
     normalize = augment.make_normalize(spec.mean, spec.std)
     names = tf.constant(list(trained.class_names))
-    tta_flip = bool(trained.config.get("tta_flip"))
+    tta = step.tta_of(trained.config)
 
     def classify(images):  # uint8 at the model's size
         normalized, _ = normalize(images, None)
-        probabilities = tf.nn.softmax(step.predict_logits(model, normalized, tta_flip))
+        probabilities = tf.nn.softmax(step.predict_logits(model, normalized, **tta))
         index = tf.argmax(probabilities, axis=-1)
         return {"probabilities": probabilities, "class_index": index,
                 "class_name": tf.gather(names, index)}

@@ -31,11 +31,12 @@ def resize_uint8(image, size: int) -> np.ndarray:
 
 
 def class_probabilities(model: keras.Model, images, spec: sources.DatasetSpec,
-                        tta_flip: bool = False) -> np.ndarray:
-    """Class probabilities for uint8 images [N, size, size, 3]."""
+                        tta: dict | None = None) -> np.ndarray:
+    """Class probabilities for uint8 images [N, size, size, 3]; tta: keyword
+    arguments of step.predict_logits (step.tta_of)."""
     normalized, _ = augment.make_normalize(spec.mean, spec.std)(
         tf.convert_to_tensor(images, tf.uint8), None)
-    return tf.nn.softmax(step.predict_logits(model, normalized, tta_flip)).numpy()
+    return tf.nn.softmax(step.predict_logits(model, normalized, **(tta or {}))).numpy()
 
 
 def decode_file(path: str) -> np.ndarray:
@@ -68,7 +69,8 @@ class TrainedModel:
         self.model = models.build(
             self.config["model"], self.spec.num_classes,
             (self.image_size, self.image_size, self.spec.image_shape[2]),
-            tiny=self.config.get("model_size") == "tiny")
+            tiny=self.config.get("model_size") == "tiny",
+            options=self.config.get("model_options", ""))
         self.model.load_weights(weights_path)
 
     @property
@@ -79,8 +81,7 @@ class TrainedModel:
     def probabilities(self, images: list) -> np.ndarray:
         """Class probabilities [N, classes] for images of any size."""
         batch = np.stack([resize_uint8(image, self.image_size) for image in images])
-        return class_probabilities(self.model, batch, self.spec,
-                                   bool(self.config.get("tta_flip")))
+        return class_probabilities(self.model, batch, self.spec, step.tta_of(self.config))
 
 
 def _dataset_spec(name: str, model_dir: str) -> sources.DatasetSpec:

@@ -33,6 +33,7 @@ import tensorflow as tf  # noqa: E402
 from data import sources  # noqa: E402
 import models  # noqa: E402
 from trainer import distributed, inputs, optimizers, step  # noqa: E402
+from trainer.flops import peak_flops, training_flops_per_image  # noqa: E402
 from trainer.config import Config  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 
@@ -112,44 +113,6 @@ class Runner:
                 float(sums["loss"][0])  # waits for the steps
                 done += n
         return time.perf_counter() - start
-
-
-def training_flops_per_image(model_name: str, num_classes: int, shape,
-                             tiny: bool = False) -> float:
-    """3 x the forward pass's float ops, counted by TF's profiler on the graph."""
-    from tensorflow.python.framework import convert_to_constants
-    model = models.build(model_name, num_classes, shape, tiny=tiny)
-    forward = tf.function(lambda x: model(x, training=False)).get_concrete_function(
-        tf.TensorSpec((1, *shape), tf.float32))
-    graph = convert_to_constants.convert_variables_to_constants_v2(forward).graph
-    options = tf.compat.v1.profiler.ProfileOptionBuilder.float_operation()
-    options["output"] = "none"
-    info = tf.compat.v1.profiler.profile(graph=graph, options=options)
-    return 3.0 * info.total_float_ops
-
-
-def peak_flops(precision: str, n: int = 2048, repeats: int = 20) -> float:
-    """FLOP/s of n x n matmuls in the compute dtype of `precision`, best of 3. The
-    matmuls are chained (each uses the last one's result) and the inputs are
-    arguments, so graph optimizations can neither fold nor merge them."""
-    dtype = tf.bfloat16 if precision == "mixed_bfloat16" else (
-        tf.float16 if precision == "mixed_float16" else tf.float32)
-    x = tf.cast(tf.random.normal((n, n)), dtype)
-    w = tf.cast(tf.random.normal((n, n)) / n ** 0.5, dtype)  # keeps the scale
-
-    @tf.function
-    def chain(x, w):
-        for _ in range(repeats):
-            x = tf.matmul(x, w)
-        return tf.reduce_sum(tf.cast(x[:1], tf.float32))
-
-    chain(x, w)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        float(chain(x, w))
-        best = min(best, time.perf_counter() - start)
-    return 2 * n ** 3 * repeats / best
 
 
 class _StepTimer(keras.callbacks.Callback):

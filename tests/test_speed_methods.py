@@ -1,0 +1,337 @@
+"""The speed records' methods as pieces (issue 13): patch whitening, identity init,
+learning-rate multipliers, Lookahead, alternating flip, multi-crop TTA, and the
+loop's FLOP/s and profiler, each checked on tiny inputs."""
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import CPUS, mirrored
+import models
+from data import augment, pipeline
+from models.layers import Dirac, PatchWhitening
+from trainer import averaging, distributed, optimizers, step
+from trainer.config import ConfigError, validate
+
+
+# --- patch whitening and identity init ----------------------------------------------
+
+def test_the_whitening_layer_whitens_the_patches_of_its_data():
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(64, 8, 8, 3)).astype(np.float32)
+    images[..., 1] = 0.9 * images[..., 0] + 0.1 * images[..., 1]  # correlated channels
+    images[:, :, 1:] += 2.0 * images[:, :, :-1]  # and neighbouring pixels
+    layer = PatchWhitening(3, kernel_size=2, eps=1e-9)  # airbench's 5e-4 damps the
+    layer.build((None, 8, 8, 3))  # smallest directions a little
+    layer.init_from_data(images)
+    outputs = keras.ops.convert_to_numpy(layer(images)).reshape(-1, 24).astype(np.float64)
+    covariance = outputs[:, :12].T @ outputs[:, :12] / len(outputs)  # about the origin
+    np.testing.assert_allclose(covariance, np.eye(12), atol=1e-3)
+    np.testing.assert_allclose(outputs[:, 12:], -outputs[:, :12], rtol=1e-5, atol=1e-5)
+    # The raw patches were far from white; the kernel is data, only the bias trains.
+    raw = models.layers.patches(images.astype(np.float64), 2)
+    assert np.abs(raw.T @ raw / len(raw) - np.eye(12)).max() > 1.0
+    assert [v.path for v in layer.trainable_variables] == [layer.bias.path]
+
+
+def test_the_loop_initialises_whitening_from_data_only_for_models_that_have_it():
+    airbench = models.build("airbench", 10, (32, 32, 3), tiny=True)
+    assert models.needs_data(airbench)
+    assert not models.needs_data(models.build("resnet_fast", 10, (32, 32, 3), tiny=True))
+    before = airbench.get_layer("whiten").kernel.numpy().copy()
+    images = np.random.default_rng(1).normal(size=(16, 32, 32, 3)).astype(np.float32)
+    assert models.init_from_data(airbench, images) == ["whiten"]
+    assert not np.allclose(before, airbench.get_layer("whiten").kernel.numpy())
+    without = models.build("airbench", 10, (32, 32, 3), tiny=True, options="whiten=false")
+    assert not models.needs_data(without)
+
+
+def test_identity_init_passes_the_first_channels_through():
+    conv = keras.layers.Conv2D(6, 3, padding="same", use_bias=False,
+                               kernel_initializer=Dirac("he_normal"))
+    x = np.random.default_rng(0).normal(size=(2, 5, 5, 4)).astype(np.float32)
+    y = keras.ops.convert_to_numpy(conv(x))
+    np.testing.assert_allclose(y[..., :4], x, rtol=1e-6, atol=1e-6)
+    assert np.abs(conv.kernel.numpy()[..., 4:]).sum() > 0  # the rest stay random
+
+
+def test_airbench_layers_survive_a_config_round_trip():
+    """check_step and Keras' own saving rebuild models from their config."""
+    model = models.build("airbench", 10, (32, 32, 3), tiny=True)
+    again = keras.Model.from_config(model.get_config())
+    assert isinstance(again.get_layer("whiten"), PatchWhitening)
+    assert again.get_layer("whiten").kernel_size == (2, 2)
+    assert [v.shape for v in again.weights] == [v.shape for v in model.weights]
+
+
+def test_model_options_reach_the_builder_and_bad_ones_are_one_line_errors():
+    small = models.build("airbench", 10, (32, 32, 3), options="widths=8:16:16")
+    assert small.count_params() < models.build("airbench_small", 10, (32, 32, 3)).count_params()
+    with pytest.raises(ValueError, match="valid: widths=VALUE, whiten=VALUE, dirac=VALUE"):
+        models.build("airbench", 10, (32, 32, 3), options="depth=3")
+    with pytest.raises(ValueError, match="not like the default"):
+        models.build("airbench", 10, (32, 32, 3), options="whiten=maybe")
+
+
+# --- learning-rate multipliers ------------------------------------------------------
+
+def test_lr_multipliers_scale_the_update_of_matching_variables_not_the_decay():
+    alpha = keras.Variable(np.ones(3, np.float32), name="alpha")
+    beta = keras.Variable(np.ones(3, np.float32), name="beta")
+    kernel = keras.Variable(np.ones((2, 2), np.float32), name="kernel")
+    optimizer = optimizers.create("sgd", 0.1, [alpha, beta, kernel], momentum=0.0,
+                                  weight_decay=0.5, lr_multipliers_text="alpha=64,beta=0")
+    gradient = [tf.fill((3,), 0.01), tf.fill((3,), 0.01), tf.fill((2, 2), 0.01)]
+    optimizer.apply(gradient, [alpha, beta, kernel])
+    np.testing.assert_allclose(alpha.numpy(), 1 - 0.1 * 64 * 0.01, rtol=1e-6)
+    np.testing.assert_allclose(beta.numpy(), 1.0)
+    # The kernel: decayed by lr x wd (not multiplied), then the plain step.
+    np.testing.assert_allclose(kernel.numpy(), (1 - 0.1 * 0.5) - 0.1 * 0.01, rtol=1e-6)
+
+
+def test_lr_multiplier_patterns_match_paths_and_a_typo_is_an_error():
+    model = models.build("airbench", 10, (32, 32, 3), tiny=True)
+    pairs = optimizers.parse_lr_multipliers("*/beta=64")
+    factors = optimizers.lr_multipliers(model.trainable_variables, pairs)
+    for variable, factor in zip(model.trainable_variables, factors):
+        assert factor == (64.0 if variable.path.endswith("/beta") else 1.0), variable.path
+    assert factors.count(64.0) == 6  # two batch-norms in each of three groups
+    with pytest.raises(ValueError, match="match"):
+        optimizers.lr_multipliers(model.trainable_variables, [("*/gamma", 2.0)])
+    with pytest.raises(ValueError, match="PATTERN=FACTOR"):
+        optimizers.parse_lr_multipliers("*/beta")
+
+
+# --- Lookahead --------------------------------------------------------------------
+
+def _model(seed: int = 3) -> keras.Model:
+    init = keras.initializers.GlorotUniform(seed=seed)
+    inputs = keras.Input((6, 6, 3))
+    x = keras.layers.Conv2D(4, 3, activation="relu", kernel_initializer=init)(inputs)
+    logits = keras.layers.Dense(5, kernel_initializer=init)(keras.layers.Flatten()(x))
+    return keras.Model(inputs, logits)
+
+
+def _batches(count: int = 5, size: int = 8) -> list[dict]:
+    rng = np.random.default_rng(0)
+    return [{"image": tf.constant(rng.normal(size=(size, 6, 6, 3)), tf.float32),
+             "label": tf.constant(rng.integers(0, 5, size), tf.int32)}
+            for _ in range(count)]
+
+
+def _sgd_steps(strategy, weights, batches, lookahead_every=0, decay=0.9, total=5):
+    """Weights after SGD (lr 0.5, no momentum) steps over `batches`, with Lookahead."""
+    with strategy.scope():
+        model = _model()
+        model.set_weights(weights)
+        optimizer = optimizers.create("sgd", 0.5, model.trainable_variables, momentum=0.0)
+        if lookahead_every:
+            averaging.add_lookahead(optimizer, model.trainable_variables)
+    options = step.StepOptions(batch_size=8, lookahead_every=lookahead_every,
+                               lookahead_decay=decay, total_steps=total)
+    dataset = tf.data.Dataset.from_tensor_slices(
+        {key: tf.stack([b[key] for b in batches]) for key in batches[0]})
+    loop = distributed.make_train_loop(
+        strategy, lambda batch: step.train_step(model, optimizer, batch, options))
+    loop(iter(strategy.experimental_distribute_dataset(dataset)),
+         tf.constant(len(batches)), tf.constant(0.0))
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_lookahead_matches_a_hand_computation(replicas):
+    strategy = mirrored() if replicas == 2 else tf.distribute.OneDeviceStrategy(CPUS[0])
+    batches = _batches(5)
+    start = _model().get_weights()
+    trained = _sgd_steps(strategy, start, batches, lookahead_every=2, decay=0.9, total=5)
+    # By hand: plain SGD steps; after steps 2 and 4 slow += (1 - d)(fast - slow) with
+    # d = 0.9^2 (t/5)^3, and fast = slow; after the last step (5) fast = slow.
+    one = tf.distribute.OneDeviceStrategy(CPUS[0])
+    fast, slow = start, [w.copy() for w in start]
+    for t, batch in enumerate(batches, start=1):
+        fast = _sgd_steps(one, fast, [batch])
+        if t % 2 == 0 or t == 5:
+            decay = 0.81 * (t / 5) ** 3 if t % 2 == 0 else 1.0
+            slow = [s + (1 - decay) * (f - s) for s, f in zip(slow, fast)]
+            fast = [s.copy() for s in slow]
+    for got, want in zip(trained, fast):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not all(np.allclose(a, b) for a, b in zip(trained, _sgd_steps(one, start,
+                                                                           batches)))
+
+
+def test_lookahead_decay_grows_as_the_cube_of_progress():
+    assert float(averaging.lookahead_decay(0, 5, 0.95, 100)) == 0.0
+    assert float(averaging.lookahead_decay(50, 5, 0.95, 100)) == pytest.approx(
+        0.95 ** 5 / 8)
+    assert float(averaging.lookahead_decay(100, 5, 0.95, 100)) == pytest.approx(0.95 ** 5)
+
+
+# --- alternating flip -------------------------------------------------------------
+
+def _ramps(n: int) -> tf.data.Dataset:
+    """Image i: a left-to-right ramp offset by i (so its mirror image differs)."""
+    ramp = tf.range(8, dtype=tf.int32)[None, :, None] * 3
+    return tf.data.Dataset.range(n).map(lambda i: (
+        tf.cast(tf.broadcast_to(ramp + tf.cast(i, tf.int32), (8, 8, 3)), tf.uint8),
+        tf.cast(i, tf.int32)))
+
+
+def _flip_stream(start_step: int, steps: int, n: int = 40):
+    ds = pipeline.make_train(_ramps(n), tf.distribute.InputContext(1, 0, 1), 8,
+                             augment.identity,
+                             lambda images, labels: (tf.cast(images, tf.float32), labels),
+                             shuffle_buffer=16, seed=5, start_step=start_step,
+                             flip_every_other_epoch=True)
+    batches = list(ds.take(steps))
+    return (np.concatenate([b["image"].numpy() for b in batches]),
+            np.concatenate([b["label"].numpy() for b in batches]))
+
+
+def test_alternating_flip_alternates_per_image_and_resumes_exactly():
+    images, labels = _flip_stream(0, 15)  # 3 epochs of 5 steps, 40 images
+    mirrored_in = {}  # (epoch, label) -> is the image mirrored
+    for position, (image, label) in enumerate(zip(images, labels)):
+        increasing = image[0, 1, 0] > image[0, 0, 0]
+        mirrored_in[(position // 40, int(label))] = not increasing
+    for label in range(40):  # each image alternates, epoch after epoch
+        assert mirrored_in[(0, label)] != mirrored_in[(1, label)]
+        assert mirrored_in[(0, label)] == mirrored_in[(2, label)]
+    first_epoch = [mirrored_in[(0, label)] for label in range(40)]
+    assert 10 < sum(first_epoch) < 30  # each image's first flip is its own coin
+    for start in (3, 5, 7):  # mid-epoch and at an epoch boundary: bitwise the same
+        resumed, resumed_labels = _flip_stream(start, 15 - start)
+        np.testing.assert_array_equal(resumed, images[start * 8:])
+        np.testing.assert_array_equal(resumed_labels, labels[start * 8:])
+
+
+def test_alternating_flip_needs_an_augmentation_that_does_not_flip(tiny_config):
+    with pytest.raises(ConfigError, match="use translate or none"):
+        validate(tiny_config.replace(alternating_flip=True, augment="pad_crop_flip"),
+                 models.names(), ("synthetic",))
+    validate(tiny_config.replace(alternating_flip=True, augment="translate"),
+             models.names(), ("synthetic",))
+
+
+def test_translate_moves_by_at_most_two_pixels_with_reflected_borders():
+    image = tf.reshape(tf.range(64, dtype=tf.int32), (1, 8, 8, 1))
+    images = tf.cast(tf.tile(image, (32, 1, 1, 3)), tf.uint8)
+    moved, _ = augment.TRAIN_AUGMENTATIONS["translate"](images, None, tf.constant([1, 2]))
+    padded = np.pad(image.numpy()[0, ..., 0], 2, mode="reflect")
+    crops = {(r, c): padded[r:r + 8, c:c + 8] for r in range(5) for c in range(5)}
+    found = set()
+    for view in moved.numpy()[..., 0]:
+        match = [key for key, crop in crops.items() if np.array_equal(view, crop)]
+        assert len(match) == 1  # a reflect-padded crop, never mirrored
+        found.add(match[0])
+    assert len(found) > 5
+
+
+# --- multi-crop test-time augmentation ---------------------------------------------
+
+def test_multi_crop_tta_averages_the_six_airbench_views():
+    model = _model()
+    images = np.random.default_rng(2).normal(size=(4, 6, 6, 3)).astype(np.float32)
+    f = lambda x: model(x, training=False).numpy()  # noqa: E731
+    mirror = lambda x: x[:, :, ::-1]  # noqa: E731
+    padded = np.pad(images, [(0, 0), (1, 1), (1, 1), (0, 0)], mode="reflect")
+    up_left, down_right = padded[:, :6, :6], padded[:, 2:, 2:]
+    both = lambda x: (f(x) + f(mirror(x))) / 2  # noqa: E731
+    want = 0.5 * both(images) + 0.25 * both(up_left) + 0.25 * both(down_right)
+    got = step.predict_logits(model, tf.constant(images), tta_flip=True, tta_translate=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    only_translate = 0.5 * f(images) + 0.25 * f(up_left) + 0.25 * f(down_right)
+    np.testing.assert_allclose(step.predict_logits(model, tf.constant(images),
+                                                   tta_translate=True),
+                               only_translate, rtol=1e-5, atol=1e-5)
+
+
+# --- the recipe through the loop: FLOP/s, profiler, exact resume -------------------
+
+def _airbench_config(tiny_config, **changes):
+    return tiny_config.replace(
+        model="airbench", batch_size=16, train_steps=8, steps_per_loop=2, log_every=2,
+        eval_every=8, checkpoint_every=4, optimizer="sgd", momentum=0.85,
+        learning_rate=0.2, lr_schedule="linear", warmup_epochs=0.0, weight_decay=5e-3,
+        lr_multipliers="*/beta=64", label_smoothing=0.2, augment="translate",
+        alternating_flip=True, lookahead_every=3, tta_flip=True, tta_translate=True,
+        deterministic=True, **changes)
+
+
+def test_airbench_trains_shows_flops_and_writes_a_profile(tiny_config, caplog):
+    import logging
+    from trainer import loop
+    from trainer.tools import profile_summary
+    config = _airbench_config(tiny_config, measure_peak=True, profile_steps="2,6")
+    with caplog.at_level(logging.INFO, logger="absl"):
+        metrics = loop.train_and_evaluate(config)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(lines) == 4 and all("GFLOP/s" in line and "% of peak" in line
+                                   for line in lines)
+    assert metrics["training_flops_per_image"] > 1e6
+    assert metrics["gflops_per_second"] > 0 and 0 < metrics["fraction_of_peak"] < 2
+    with open(os.path.join(config.model_dir, "metrics.json")) as f:
+        history = json.load(f)["train_history"]
+    assert all(record["gflops_per_second"] > 0 for record in history)
+    trace = profile_summary.newest_trace(config.model_dir)
+    assert trace.startswith(os.path.join(config.model_dir, "train", "plugins", "profile"))
+    summary = profile_summary.summarize(trace)
+    assert summary["parts"]["convolution"]["backward"] > 0
+    assert "| convolution |" in profile_summary.markdown(summary)
+
+
+def test_airbench_recipe_resumes_bitwise_after_a_kill(tiny_config, monkeypatch):
+    """Lookahead's slow weights, the whitening and the alternating flip all come
+    back: killed after the step-4 checkpoint, resumed, equal to a straight run."""
+    from trainer import loop
+    from trainer.output import progress
+    straight = loop.train_and_evaluate(_airbench_config(tiny_config))
+    config = _airbench_config(tiny_config,
+                              model_dir=tiny_config.model_dir + "_killed")
+    original_show = progress.Progress.show
+
+    def killed_at_step_6(self, at_step, learning_rate):
+        if at_step == 6:
+            raise KeyboardInterrupt
+        original_show(self, at_step, learning_rate)
+
+    monkeypatch.setattr(progress.Progress, "show", killed_at_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        loop.train_and_evaluate(config)
+    monkeypatch.setattr(progress.Progress, "show", original_show)
+    resumed = loop.train_and_evaluate(config)
+    assert resumed["resumed_from_step"] == 4
+    assert resumed["weights_sha256"] == straight["weights_sha256"]
+
+
+# --- reporting ---------------------------------------------------------------------
+
+def test_compare_runs_finds_the_first_evaluation_at_target_and_groups_runs():
+    from trainer.tools import compare_runs
+
+    def run(final, curve):
+        return {"test_accuracy": final, "train_seconds": 100.0,
+                "images_per_second": 10.0, "gflops_per_second": 1.0,
+                "eval_history": [{"epoch": e, "train_seconds": 10.0 * e,
+                                  "test_accuracy": a} for e, a in curve]}
+
+    a = run(0.93, [(2, 0.80), (4, 0.921), (6, 0.93)])
+    b = run(0.91, [(2, 0.85), (4, 0.91)])
+    assert compare_runs.first_at(a, 0.92)["epoch"] == 4
+    assert compare_runs.first_at(b, 0.92) is None
+    rows = compare_runs.run_rows({"a": a, "b": b}, 0.92)
+    assert rows[2].endswith("| epoch 4.0, 40 s |") and rows[3].endswith("not reached |")
+    table = compare_runs.group_rows({"all on": [a, b], "one off": [b, b]})
+    assert "| all on | 2 | 92.00 ± 1.41 | +0.00 |" in table[2]
+    assert "| one off | 2 | 91.00 ± 0.00 | -1.00 |" in table[3]
+
+
+def test_profile_busy_time_counts_overlapping_events_once():
+    from types import SimpleNamespace
+    from trainer.tools import profile_summary
+    events = [SimpleNamespace(offset_ps=s, duration_ps=d)
+              for s, d in [(0, 10), (5, 10), (30, 5), (31, 1)]]
+    assert profile_summary._busy_time(events) == 15 + 5

@@ -1,0 +1,117 @@
+"""Seeds and ablations side by side, from the runs' metrics.json files:
+
+    python -m trainer.tools.compare_runs --runs=runs/airbench_s0,runs/airbench_s1 \\
+        [--groups=all_on=runs/a_s*,no_lookahead=runs/b_s*] [--target=0.92] [--plot=curves.png]
+
+Prints a Markdown table, one row per run (final test accuracy, training seconds,
+img/s, GFLOP/s, the first evaluation at or above --target and its training
+seconds), and with --groups one row per group (mean and spread over its runs, and
+the difference to the first group): an ablation table. --plot draws every run's
+test accuracy against training seconds. Paths may be on any TF filesystem.
+"""
+import json
+import os
+import statistics
+import sys
+
+from trainer import cli
+
+cli.set_native_log_level(sys.argv)  # before TensorFlow starts
+
+from absl import app, flags  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+FLAGS = flags.FLAGS
+
+
+def load(run_dir: str) -> dict:
+    with tf.io.gfile.GFile(os.path.join(run_dir, "metrics.json")) as f:
+        return json.load(f)
+
+
+def first_at(metrics: dict, target: float) -> dict | None:
+    """The first evaluation whose test accuracy reaches `target`."""
+    return next((r for r in metrics["eval_history"] if r["test_accuracy"] >= target),
+                None)
+
+
+def run_rows(runs: dict[str, dict], target: float) -> list[str]:
+    rows = [f"| run | test accuracy | train s | img/s | GFLOP/s | first eval >= "
+            f"{100 * target:.1f}% (epoch, train s) |",
+            "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for name, m in runs.items():
+        hit = first_at(m, target)
+        rows.append(f"| {name} | {100 * m['test_accuracy']:.2f}% | {m['train_seconds']:.0f} "
+                    f"| {m['images_per_second']:.0f} | {m.get('gflops_per_second', 0):.0f} | "
+                    + (f"epoch {hit['epoch']:.1f}, {hit['train_seconds']:.0f} s |" if hit
+                       else "not reached |"))
+    return rows
+
+
+def _mean_spread(values: list[float]) -> str:
+    spread = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.2f} ± {spread:.2f}"
+
+
+def group_rows(groups: dict[str, list[dict]]) -> list[str]:
+    """Mean ± standard deviation per group; the first group is the reference."""
+    rows = ["| variant | runs | test accuracy % | vs first | train s |",
+            "| --- | ---: | ---: | ---: | ---: |"]
+    reference = None
+    for name, members in groups.items():
+        accuracies = [100 * m["test_accuracy"] for m in members]
+        mean = statistics.mean(accuracies)
+        reference = mean if reference is None else reference
+        rows.append(f"| {name} | {len(members)} | {_mean_spread(accuracies)} | "
+                    f"{mean - reference:+.2f} | "
+                    f"{_mean_spread([m['train_seconds'] for m in members])} |")
+    return rows
+
+
+def plot(runs: dict[str, dict], path: str, target: float) -> None:
+    from trainer.output import figures
+    fig = figures.mpl_figure.Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    for name, m in runs.items():
+        history = m["eval_history"]
+        ax.plot([r["train_seconds"] for r in history],
+                [100 * r["test_accuracy"] for r in history], marker="o", label=name)
+    ax.axhline(100 * target, color="grey", linestyle="--", linewidth=1)
+    ax.set(xlabel="training seconds", ylabel="test accuracy %",
+           ylim=(max(0, 100 * target - 30), 100))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    with tf.io.gfile.GFile(path, "wb") as f:
+        f.write(figures.png_bytes(fig))
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    try:
+        runs = {os.path.basename(d.rstrip("/")): load(d)
+                for d in filter(None, FLAGS.runs.split(","))}
+        groups = {}
+        for item in filter(None, FLAGS.groups.split(",")):
+            name, _, pattern = item.partition("=")
+            dirs = sorted(os.path.dirname(p) for p in
+                          tf.io.gfile.glob(os.path.join(pattern, "metrics.json")))
+            if not dirs:
+                raise FileNotFoundError(f"--groups: no metrics.json under {pattern}")
+            groups[name] = [load(d) for d in dirs]
+    except (FileNotFoundError, tf.errors.NotFoundError, KeyError) as err:
+        sys.exit(f"error: {err}")
+    if runs:
+        print("\n".join(run_rows(runs, FLAGS.target)) + "\n")
+    if groups:
+        print("\n".join(group_rows(groups)))
+    if FLAGS.plot and runs:
+        plot(runs, FLAGS.plot, FLAGS.target)
+
+
+if __name__ == "__main__":
+    flags.DEFINE_string("runs", "", "Comma-separated run directories (model_dir).")
+    flags.DEFINE_string("groups", "", "Comma-separated NAME=GLOB of run directories, "
+                        "e.g. no_lookahead=runs/nolookahead_s*: an ablation table.")
+    flags.DEFINE_float("target", 0.92, "Accuracy whose first reaching is reported.")
+    flags.DEFINE_string("plot", "", "Write the runs' accuracy-vs-seconds curves here.")
+    app.run(main)
