@@ -5,10 +5,19 @@
 
 Images fill image_size x image_size as the codelab's do (resized so the shorter side
 is image_size, aspect ratio kept, then centre-cropped) and are stored as JPEG (quality
-95) in the flowers codelab's format (see data/tfrecords.py); files are named
+95; `--encoding=png` stores them losslessly) in the flowers codelab's format (see
+data/tfrecords.py); files are named
 PREFIX{shard:02d}-{count}.tfrec, with a dataset.json beside them. Train on them with
 `python -m trainer.main --dataset=tfrecord:DIR/flowers*.tfrec`. Paths may be gs://
 (everything goes through tf.io.gfile).
+
+What a lossy copy costs, measured: `--jpeg_round_trip=75` passes every image once
+more through JPEG at quality 75 before storing it (our CIFAR-10 copy went through
+JPEG ~75 once; see docs/results.md):
+
+    python -m data.make_tfrecords --source=cifar10 --image_size=32 --encoding=png \
+        --jpeg_round_trip=75 --output=DIR/train/cifar10 --shards=8
+    python -m data.make_tfrecords ... --split=test --output=DIR/test/cifar10
 
 Exit status: 0 written; 2 a source that cannot be read (a one-line error on stderr).
 """
@@ -53,18 +62,41 @@ def fill_square(image: tf.Tensor, size: int) -> tf.Tensor:
     return tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8)
 
 
-def _encode(image: tf.Tensor, size: int) -> bytes:
-    return tf.io.encode_jpeg(fill_square(image, size), quality=95).numpy()
+ENCODINGS = ("jpeg", "png")
 
 
-def _serialize(image: tf.Tensor, size: int, label: int, classes: list[str],
-               index: int) -> bytes:
-    return tfrecords.serialize(_encode(image, size), label, classes[label], index,
-                               num_classes=len(classes), size=(size, size))
+def jpeg_round_trip(image: tf.Tensor, quality: int, offset: int = 4) -> tf.Tensor:
+    """uint8 [H, W, 3] after one more JPEG pass at `quality`, its 8x8 blocks `offset`
+    pixels off the image's own grid (reflect-padded, encoded, decoded, cropped back):
+    a fresh set of compression errors, where an aligned second pass at the same
+    quality would nearly repeat the first."""
+    height, width = int(image.shape[0]), int(image.shape[1])
+    padded = tf.pad(image, [[offset, offset], [offset, offset], [0, 0]], mode="REFLECT")
+    decoded = tf.io.decode_jpeg(tf.io.encode_jpeg(padded, quality=quality), channels=3)
+    return decoded[offset:offset + height, offset:offset + width]
 
 
-def records_from_folder(root: str, size: int) -> tuple[Iterator[bytes], int, list[str]]:
+def _encode(image: tf.Tensor, size: int, encoding: str, round_trip: int) -> bytes:
+    image = fill_square(image, size)
+    if round_trip:
+        image = jpeg_round_trip(image, round_trip)
+    if encoding == "png":
+        return tf.io.encode_png(image).numpy()
+    return tf.io.encode_jpeg(image, quality=95).numpy()
+
+
+def _serializer(size: int, classes: list[str], encoding: str, round_trip: int):
+    def serialize(image: tf.Tensor, label: int, index: int) -> bytes:
+        return tfrecords.serialize(_encode(image, size, encoding, round_trip), label,
+                                   classes[label], index, num_classes=len(classes),
+                                   size=(size, size))
+    return serialize
+
+
+def records_from_folder(root: str, size: int, encoding: str = "jpeg", round_trip: int = 0
+                        ) -> tuple[Iterator[bytes], int, list[str]]:
     examples, classes = _folder_examples(root)
+    serialize = _serializer(size, classes, encoding, round_trip)
 
     def generate():
         for index, (path, label) in enumerate(examples):
@@ -72,19 +104,22 @@ def records_from_folder(root: str, size: int) -> tuple[Iterator[bytes], int, lis
                 image = tfrecords.decode_image(tf.io.read_file(path))
             except tf.errors.InvalidArgumentError as err:
                 raise sources.DatasetError(f"cannot decode image {path}") from err
-            yield _serialize(image, size, label, classes, index)
+            yield serialize(image, label, index)
     return generate(), len(examples), classes
 
 
-def records_from_tfds(name: str, size: int, data_dir: str | None
+def records_from_tfds(name: str, size: int, data_dir: str | None, split: str = "",
+                      encoding: str = "jpeg", round_trip: int = 0
                       ) -> tuple[Iterator[bytes], int, list[str]]:
+    """The dataset's `split` (default: its training split)."""
     spec = sources.get_spec(name)
-    ds, total = sources.load_tfds(name, spec.train_split, data_dir)
+    ds, total = sources.load_tfds(name, split or spec.train_split, data_dir)
     classes = list(spec.class_names)
+    serialize = _serializer(size, classes, encoding, round_trip)
 
     def generate():
         for index, (image, label) in enumerate(ds):
-            yield _serialize(image, size, int(label), classes, index)
+            yield serialize(image, int(label), index)
     return generate(), total, classes
 
 
@@ -101,17 +136,31 @@ def define_flags() -> None:
                          lower_bound=1)
     flags.DEFINE_integer("shards", 16, "Number of files to write.", lower_bound=1)
     flags.DEFINE_string("data_dir", None, "TFDS data dir.")
+    flags.DEFINE_string("split", "", "A TFDS source's split (default: its training "
+                        "split), e.g. test.")
+    flags.DEFINE_enum("encoding", "jpeg", ENCODINGS, "How images are stored: jpeg "
+                      "(quality 95) or png (lossless).")
+    flags.DEFINE_integer("jpeg_round_trip", 0, "If > 0: pass each image once more "
+                         "through JPEG at this quality (blocks 4 px off the image grid) "
+                         "before storing it, to measure what compression costs.",
+                         lower_bound=0, upper_bound=100)
     flags.mark_flags_as_required(["source", "output"])
 
 
 def write(source: str, output: str, image_size: int, shards: int,
-          data_dir: str | None) -> list[str]:
+          data_dir: str | None, split: str = "", encoding: str = "jpeg",
+          round_trip: int = 0) -> list[str]:
     """Writes the shards and their dataset.json; returns the shards' paths."""
     if tf.io.gfile.isdir(source):
-        records, total, classes = records_from_folder(source, image_size)
+        if split:
+            raise sources.DatasetError(f"--split={split!r} is for a TFDS source; a "
+                                       f"folder of class folders has one set of images")
+        records, total, classes = records_from_folder(source, image_size, encoding,
+                                                      round_trip)
         tfds_name = ""
     elif source in sources.names():
-        records, total, classes = records_from_tfds(source, image_size, data_dir)
+        records, total, classes = records_from_tfds(source, image_size, data_dir, split,
+                                                    encoding, round_trip)
         tfds_name = source
     else:
         raise sources.DatasetError(
@@ -137,7 +186,7 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     try:
         paths = write(FLAGS.source, FLAGS.output, FLAGS.image_size, FLAGS.shards,
-                      FLAGS.data_dir)
+                      FLAGS.data_dir, FLAGS.split, FLAGS.encoding, FLAGS.jpeg_round_trip)
     except sources.DatasetError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

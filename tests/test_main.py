@@ -51,7 +51,7 @@ def test_cli_trains_and_writes_weights_and_metrics(tmp_path):
 
 
 @pytest.mark.parametrize("flag,message", [
-    ("--model=resnet9", "unknown model 'resnet9'; valid: cifar_cnn, convnet"),
+    ("--model=resnet9", "unknown model 'resnet9'; valid: airbench, airbench_small, cifar_cnn"),
     ("--dataset=mnist", "unknown dataset 'mnist'; valid: cifar10, synthetic, tf_flowers"),
     ("--optimizer=lion", "unknown optimizer 'lion'; valid: adam, adamw, sgd"),
     ("--precision=fp8", "unknown precision 'fp8'"),

@@ -61,6 +61,26 @@ def test_folder_round_trip_any_format_decodes_to_rgb(photo_folder, tmp_path):
     assert tfrecords.find_corrupt(str(tmp_path / "out" / "pets*.tfrec")) is None
 
 
+def test_png_copies_are_exact_and_a_shifted_jpeg_pass_adds_fresh_errors(photo_folder,
+                                                                         tmp_path):
+    records, total, _ = make_tfrecords.records_from_folder(str(photo_folder), 16, "png")
+    tfrecords.write_shards(records, total, str(tmp_path / "png"), 1)
+    stored = {int(i): image.numpy() for image, _, i in
+              tfrecords.load(str(tmp_path / "png*.tfrec"))[0]}
+    original = tfrecords.decode_image(tf.io.read_file(str(photo_folder / "dogs" / "c.png")))
+    np.testing.assert_array_equal(stored[2], make_tfrecords.fill_square(original, 16))
+
+    rows = np.linspace(0, 255, 32)  # a smooth image: JPEG's errors are small on it
+    smooth = tf.constant(np.stack([np.add.outer(rows, rows) / 2, np.tile(rows, (32, 1)),
+                                   np.tile(rows[:, None], (1, 32))], -1).astype(np.uint8))
+    once = make_tfrecords.jpeg_round_trip(smooth, 75, offset=0)
+    error = lambda a, b: np.abs(a.numpy().astype(float) - b.numpy()).mean()  # noqa: E731
+    aligned = error(make_tfrecords.jpeg_round_trip(once, 75, offset=0), once)
+    shifted = error(make_tfrecords.jpeg_round_trip(once, 75), once)
+    assert once.shape == smooth.shape and 0 < error(once, smooth)
+    assert aligned < shifted  # an aligned second pass nearly repeats the first
+
+
 def test_files_shard_across_workers_without_overlap(photo_folder, tmp_path):
     records, total, _ = make_tfrecords.records_from_folder(str(photo_folder), 8)
     tfrecords.write_shards(records, total, str(tmp_path / "p"), total)
