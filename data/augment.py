@@ -96,14 +96,23 @@ def identity(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor | None = None
     return images, labels
 
 
+def _random_bit(indices: tf.Tensor, seed: int) -> tf.Tensor:
+    """A fair coin per index, a pure function of (index, seed): the top bit of a
+    32-bit integer hash (Wellons' lowbias32) of the index mixed with the seed."""
+    x = tf.cast(indices, tf.uint32) ^ tf.constant((seed * 0x9E3779B9) % 2**32, tf.uint32)
+    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        x = (x ^ tf.bitwise.right_shift(x, tf.constant(shift, tf.uint32))) * tf.constant(
+            multiplier, tf.uint32)
+    x = x ^ tf.bitwise.right_shift(x, tf.constant(16, tf.uint32))
+    return tf.cast(tf.bitwise.right_shift(x, tf.constant(31, tf.uint32)), tf.int64)
+
+
 def alternating_flip(images: tf.Tensor, indices: tf.Tensor, epoch: tf.Tensor,
                      seed: int) -> tf.Tensor:
     """airbench's flip: image i is mirrored in epoch e iff its own random bit (a hash
     of (seed, i)) differs from e's parity. So each image is seen both ways in every
     two epochs, instead of by chance. A pure function of (i, e, seed)."""
-    hashed = (tf.cast(indices, tf.int64) * 2654435761 + seed * 40503 + 12345) % 2**32
-    own_bit = (hashed // 2**15) % 2
-    flip = tf.not_equal(own_bit, tf.cast(epoch, tf.int64) % 2)
+    flip = tf.not_equal(_random_bit(indices, seed), tf.cast(epoch, tf.int64) % 2)
     return tf.where(flip[:, None, None, None], tf.reverse(images, axis=[2]), images)
 
 

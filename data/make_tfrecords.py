@@ -24,7 +24,7 @@ Exit status: 0 written; 2 a source that cannot be read (a one-line error on stde
 import json
 import os
 import sys
-from typing import Iterator
+from typing import Callable, Iterator
 
 from absl import app, flags
 import tensorflow as tf
@@ -85,7 +85,8 @@ def _encode(image: tf.Tensor, size: int, encoding: str, round_trip: int) -> byte
     return tf.io.encode_jpeg(image, quality=95).numpy()
 
 
-def _serializer(size: int, classes: list[str], encoding: str, round_trip: int):
+def _serializer(size: int, classes: list[str], encoding: str, round_trip: int
+                ) -> Callable[[tf.Tensor, int, int], bytes]:
     def serialize(image: tf.Tensor, label: int, index: int) -> bytes:
         return tfrecords.serialize(_encode(image, size, encoding, round_trip), label,
                                    classes[label], index, num_classes=len(classes),
@@ -151,6 +152,8 @@ def write(source: str, output: str, image_size: int, shards: int,
           data_dir: str | None, split: str = "", encoding: str = "jpeg",
           round_trip: int = 0) -> list[str]:
     """Writes the shards and their dataset.json; returns the shards' paths."""
+    if encoding not in ENCODINGS:
+        raise sources.DatasetError(f"encoding {encoding!r}; valid: {', '.join(ENCODINGS)}")
     if tf.io.gfile.isdir(source):
         if split:
             raise sources.DatasetError(f"--split={split!r} is for a TFDS source; a "
@@ -172,7 +175,10 @@ def write(source: str, output: str, image_size: int, shards: int,
     holdout = (sources.get_spec(tfds_name).holdout_fraction if tfds_name
                else sources.DEFAULT_HOLDOUT)
     meta = {"source": tfds_name, "class_names": classes, "image_size": image_size,
-            "records": total, "holdout_fraction": holdout, "files": len(paths)}
+            "records": total, "holdout_fraction": holdout, "files": len(paths),
+            "split": split or (sources.get_spec(tfds_name).train_split if tfds_name
+                               else ""),
+            "encoding": encoding, "jpeg_round_trip": round_trip}
     with tf.io.gfile.GFile(os.path.join(tfrecords.directory(output),
                                         sources.TFRECORD_METADATA), "w") as f:
         json.dump(meta, f, indent=2)

@@ -35,7 +35,7 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
                num_examples: int | None = None, shard: bool = True,
                start_step: int = 0, mix: Callable | None = None,
                end_step: int | None = None,
-               flip_every_other_epoch: bool = False) -> tf.data.Dataset:
+               alternating_flip: bool = False) -> tf.data.Dataset:
     """shard -> prepare -> cache blocks -> [per epoch: block_shuffle -> batch] -> skip to
     `start_step` -> augment -> normalize -> mix -> prefetch.
 
@@ -53,7 +53,7 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
     `augment(images, labels, seed)` and `normalize` take whole batches;
     `mix(images, labels, seed) -> (images, targets)` takes normalized batches
     (data.augment.make_mix). end_step: the stream ends there (None: endless).
-    flip_every_other_epoch: airbench's alternating flip (data.augment.alternating_flip),
+    alternating_flip: airbench's alternating flip (data.augment.alternating_flip),
     before `augment`, keyed by each example's index in this worker's shard.
     shard=False: `ds` is already this worker's shard (data.sources.load(context=...)).
     """
@@ -91,7 +91,7 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
     def augment_normalize_mix(position, images, labels, indices):
         key = tf.cast(tf.stack([pipeline_seed, position[0] * 1_000_003 + position[1]]),
                       tf.int64)
-        if flip_every_other_epoch:
+        if alternating_flip:
             images = augment_lib.alternating_flip(images, indices, position[0],
                                                   pipeline_seed)
         if mix is None:  # the whole key, as before mixing existed: same batches bitwise

@@ -38,6 +38,9 @@ def _group(x, filters: int, dirac: bool):
 def build(num_classes: int = 10, input_shape: tuple[int, int, int] = (32, 32, 3),
           tiny: bool = False, widths: tuple[int, int, int] = (64, 256, 256),
           whiten: bool = True, dirac: bool = True) -> keras.Model:
+    """airbench94's net: 2x2 patch whitening (or, whiten=False, a trained 2x2 conv),
+    three groups of conv-pool-BN-GELU-conv-BN-GELU at `widths`, max-pool, a linear
+    head scaled by 1/9. dirac=False: plain (PyTorch-default) init."""
     widths = (4, 8, 8) if tiny else tuple(widths)
     inputs = keras.Input(shape=input_shape, name="image")
     if whiten:

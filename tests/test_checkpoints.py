@@ -57,6 +57,17 @@ def test_model_dir_of_another_model_is_refused_untouched(tiny_config):
     assert _snapshot(tiny_config.model_dir) == before
 
 
+def test_resuming_with_other_model_options_or_lookahead_is_refused(tmp_path):
+    run = {"model": "airbench", "model_size": "full", "dataset": "cifar10",
+           "optimizer": "sgd", "lookahead_every": 5}
+    checkpoints.prepare_model_dir(str(tmp_path), run)  # an older run: no model_options
+    checkpoints.prepare_model_dir(str(tmp_path), {**run, "model_options": ""})
+    for change, named in [({"model_options": "whiten=false"}, "model_options"),
+                          ({"lookahead_every": 0}, "lookahead_every > 0")]:
+        with pytest.raises(checkpoints.CheckpointError, match=f"holds a run with {named}="):
+            checkpoints.prepare_model_dir(str(tmp_path), {**run, **change})
+
+
 def test_unwritable_model_dir_is_a_clear_error(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")

@@ -122,7 +122,8 @@ def _batches(count: int = 5, size: int = 8) -> list[dict]:
             for _ in range(count)]
 
 
-def _sgd_steps(strategy, weights, batches, lookahead_every=0, decay=0.9, total=5):
+def _sgd_steps(strategy, weights, batches, lookahead_every=0, decay=0.9, total=5,
+               all_replicas=False):
     """Weights after SGD (lr 0.5, no momentum) steps over `batches`, with Lookahead."""
     with strategy.scope():
         model = _model()
@@ -130,6 +131,9 @@ def _sgd_steps(strategy, weights, batches, lookahead_every=0, decay=0.9, total=5
         optimizer = optimizers.create("sgd", 0.5, model.trainable_variables, momentum=0.0)
         if lookahead_every:
             averaging.add_lookahead(optimizer, model.trainable_variables)
+            # the slow copies are the optimizer's; the model's weights stay the model's
+            model_paths = {v.path for v in model.trainable_variables}
+            assert not model_paths & {v.path for v in optimizer.variables}
     options = step.StepOptions(batch_size=8, lookahead_every=lookahead_every,
                                lookahead_decay=decay, total_steps=total)
     dataset = tf.data.Dataset.from_tensor_slices(
@@ -138,6 +142,9 @@ def _sgd_steps(strategy, weights, batches, lookahead_every=0, decay=0.9, total=5
         strategy, lambda batch: step.train_step(model, optimizer, batch, options))
     loop(iter(strategy.experimental_distribute_dataset(dataset)),
          tf.constant(len(batches)), tf.constant(0.0))
+    if all_replicas:  # [replica][variable]: every replica's own copy
+        return [[v.numpy() for v in replica] for replica in zip(
+            *(strategy.experimental_local_results(v.value) for v in model.weights))]
     return model.get_weights()
 
 
@@ -146,7 +153,9 @@ def test_lookahead_matches_a_hand_computation(replicas):
     strategy = mirrored() if replicas == 2 else tf.distribute.OneDeviceStrategy(CPUS[0])
     batches = _batches(5)
     start = _model().get_weights()
-    trained = _sgd_steps(strategy, start, batches, lookahead_every=2, decay=0.9, total=5)
+    trained = _sgd_steps(strategy, start, batches, lookahead_every=2, decay=0.9, total=5,
+                         all_replicas=True)
+    assert len(trained) == replicas
     # By hand: plain SGD steps; after steps 2 and 4 slow += (1 - d)(fast - slow) with
     # d = 0.9^2 (t/5)^3, and fast = slow; after the last step (5) fast = slow.
     one = tf.distribute.OneDeviceStrategy(CPUS[0])
@@ -157,10 +166,11 @@ def test_lookahead_matches_a_hand_computation(replicas):
             decay = 0.81 * (t / 5) ** 3 if t % 2 == 0 else 1.0
             slow = [s + (1 - decay) * (f - s) for s, f in zip(slow, fast)]
             fast = [s.copy() for s in slow]
-    for got, want in zip(trained, fast):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert not all(np.allclose(a, b) for a, b in zip(trained, _sgd_steps(one, start,
-                                                                           batches)))
+    for replica in trained:
+        for got, want in zip(replica, fast):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not all(np.allclose(a, b) for a, b in zip(trained[0], _sgd_steps(one, start,
+                                                                              batches)))
 
 
 def test_lookahead_decay_grows_as_the_cube_of_progress():
@@ -185,7 +195,7 @@ def _flip_stream(start_step: int, steps: int, n: int = 40):
                              augment.identity,
                              lambda images, labels: (tf.cast(images, tf.float32), labels),
                              shuffle_buffer=16, seed=5, start_step=start_step,
-                             flip_every_other_epoch=True)
+                             alternating_flip=True)
     batches = list(ds.take(steps))
     return (np.concatenate([b["image"].numpy() for b in batches]),
             np.concatenate([b["label"].numpy() for b in batches]))
@@ -202,6 +212,15 @@ def test_alternating_flip_alternates_per_image_and_resumes_exactly():
         assert mirrored_in[(0, label)] == mirrored_in[(2, label)]
     first_epoch = [mirrored_in[(0, label)] for label in range(40)]
     assert 10 < sum(first_epoch) < 30  # each image's first flip is its own coin
+
+    def first_flips(seed):  # over 4,000 images: a fair coin, independent per image
+        ramp = tf.tile(tf.constant([[[[0.0], [1.0]]]]), [4000, 1, 1, 1])
+        flipped = augment.alternating_flip(ramp, tf.range(4000), 0, seed)
+        return flipped[:, 0, 0, 0].numpy() == 1.0
+    coins, other_seed = first_flips(0), first_flips(1)
+    assert 0.45 < coins.mean() < 0.55
+    assert 0.45 < (coins[1:] == coins[:-1]).mean() < 0.55
+    assert 0.45 < (coins == other_seed).mean() < 0.55
     for start in (3, 5, 7):  # mid-epoch and at an epoch boundary: bitwise the same
         resumed, resumed_labels = _flip_stream(start, 15 - start)
         np.testing.assert_array_equal(resumed, images[start * 8:])
@@ -287,6 +306,15 @@ def test_airbench_logs_flops_profiles_and_resumes_bitwise_after_a_kill(
     summary = profile_summary.summarize(trace)
     assert summary["parts"]["convolution"]["backward"] > 0
     assert "| convolution |" in profile_summary.markdown(summary)
+    # the loop set the (frozen) whitening from the first training images
+    from data import sources
+    from trainer import inputs
+    saved = models.build("airbench", 10, (32, 32, 3), tiny=True)
+    saved.load_weights(os.path.join(config.model_dir, "model.weights.h5"))
+    want = models.layers.whitening_kernel(
+        inputs.init_images(config, sources.get_spec(config.dataset)), 2)
+    np.testing.assert_allclose(saved.get_layer("whiten").kernel.numpy(), want,
+                               rtol=1e-4, atol=1e-4)
 
     config = _airbench_config(tiny_config, model_dir=tiny_config.model_dir + "_killed")
     original_show = progress.Progress.show

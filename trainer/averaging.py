@@ -79,7 +79,15 @@ def add_lookahead(optimizer: keras.optimizers.Optimizer, variables: list) -> Non
         copy = inner.add_variable_from_reference(variable, "lookahead")
         copy.assign(variable)
         slow.append(copy)
-    inner._lookahead = list(zip(variables, slow))  # noqa: SLF001
+    inner._lookahead = _Pairs(list(zip(variables, slow)))  # noqa: SLF001
+
+
+class _Pairs:
+    """The (fast, slow) pairs, held where Keras' attribute tracking cannot see them:
+    a plain list would make the model's weights the optimizer's variables too."""
+
+    def __init__(self, pairs: list) -> None:
+        self.pairs = pairs
 
 
 def lookahead_decay(step: tf.Tensor, every: int, decay_per_step: float,
@@ -96,14 +104,24 @@ def lookahead_step(optimizer: keras.optimizers.Optimizer, every: int,
     """After the update of step t = optimizer.iterations, in a replica context:
     every `every` steps, slow <- slow + (1 - decay) (fast - slow), and the fast
     weights jump to it; at the last step they take the slow weights (as airbench).
-    Every replica holds the same weights, so each does it alone, no all-reduce."""
+    Each replica pulls its own copies, no all-reduce: the weights are equal on all
+    replicas, and batch-norm statistics are each replica's own, as in training."""
+    if total_steps <= 0:
+        raise ValueError("lookahead needs the run's total_steps (the decay grows as "
+                         "(step / total_steps)^3); StepOptions.total_steps is 0")
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     step = inner.iterations
     on_schedule = tf.equal(step % every, 0)
     due = tf.logical_or(on_schedule, step >= total_steps)
     decay = tf.where(on_schedule, lookahead_decay(step, every, decay_per_step,
                                                   total_steps), 1.0)
-    for fast, slow in inner._lookahead:  # noqa: SLF001
-        pulled = slow + (1.0 - tf.cast(decay, slow.dtype)) * (fast - slow)
-        slow.assign(tf.where(due, pulled, slow))
-        fast.assign(tf.where(due, pulled, fast))
+
+    def pull() -> tf.Tensor:
+        for fast, slow in inner._lookahead.pairs:  # noqa: SLF001
+            pulled = slow + (1.0 - tf.cast(decay, slow.dtype)) * (fast - slow)
+            slow.assign(pulled)
+            fast.assign(pulled)
+        return tf.constant(True)
+
+    with tf.name_scope("lookahead"):  # so the profile's optimizer row counts it
+        tf.cond(due, pull, lambda: tf.constant(False))

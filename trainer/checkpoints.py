@@ -59,8 +59,14 @@ def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True) -
                                   f"another --model_dir") from err
         for key, now, before in [*((k, run_config.get(k), previous.get(k))
                                    for k in _MUST_MATCH),
+                                 # (runs older than these settings saved none)
+                                 ("model_options", run_config.get("model_options") or "",
+                                  previous.get("model_options") or ""),
                                  ("ema_decay > 0", bool(run_config.get("ema_decay")),
-                                  bool(previous.get("ema_decay")))]:
+                                  bool(previous.get("ema_decay"))),
+                                 ("lookahead_every > 0",
+                                  bool(run_config.get("lookahead_every")),
+                                  bool(previous.get("lookahead_every")))]:
             if now != before:
                 raise CheckpointError(
                     f"--model_dir={model_dir} holds a run with {key}={before!r}, not "

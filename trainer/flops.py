@@ -9,7 +9,7 @@ import tensorflow as tf
 import models
 
 
-def training_flops_per_image(model_name: str, num_classes: int, shape,
+def training_flops_per_image(model_name: str, num_classes: int, shape: tuple[int, ...],
                              tiny: bool = False, options: str = "") -> float:
     """3 x the forward pass's float ops (the backward pass is about twice the
     forward), counted by TF's profiler on the frozen inference graph at batch 1.
@@ -50,3 +50,15 @@ def peak_flops(precision: str, n: int = 2048, repeats: int = 20) -> float:
         float(chain(x, w))
         best = min(best, time.perf_counter() - start)
     return 2 * n ** 3 * repeats / best
+
+
+def run_peak_flops(precision: str, strategy: tf.distribute.Strategy,
+                   device_kind: str) -> float:
+    """The run's peak: the matmul peak measured on its first device, times the
+    devices that compute side by side: every replica on GPUs and TPUs, one per
+    worker on CPUs (logical CPU devices share the host's cores)."""
+    devices = strategy.extended.worker_devices
+    with tf.device(devices[0]):
+        one_device = peak_flops(precision)
+    workers = strategy.num_replicas_in_sync // len(devices)
+    return one_device * workers * (len(devices) if device_kind != "cpu" else 1)

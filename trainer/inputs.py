@@ -40,7 +40,7 @@ def train_input_fn(config: Config, spec: sources.DatasetSpec, train_examples: in
                                    start_step=start_step, end_step=end_step,
                                    mix=augment.make_mix(spec.num_classes, config.mixup_alpha,
                                                         config.cutmix_alpha),
-                                   flip_every_other_epoch=config.alternating_flip)
+                                   alternating_flip=config.alternating_flip)
     return train_fn
 
 

@@ -73,7 +73,9 @@ def build_model(config: Config, spec: sources.DatasetSpec) -> keras.Model:
                         options=config.model_options)
 
 
-def build_optimizer(config: Config, schedule, model: keras.Model,
+def build_optimizer(config: Config,
+                    schedule: keras.optimizers.schedules.LearningRateSchedule | float,
+                    model: keras.Model,
                     precision: str = "float32") -> keras.optimizers.Optimizer:
     """The run's optimizer, built, with its learning-rate multipliers and, with
     --lookahead_every, the Lookahead's slow weights; call under the strategy's
@@ -110,6 +112,19 @@ def plot_schedule(config: Config) -> str:
     return path
 
 
+@contextlib.contextmanager
+def _profiler_stopped_at_exit():
+    """A run that ends (or fails) between --profile_steps' A and B still stops the
+    profiler, so the next run in this process can start one."""
+    try:
+        yield
+    finally:
+        try:
+            tf.profiler.experimental.stop()
+        except tf.errors.UnavailableError:  # stopped at B already
+            pass
+
+
 def _next_stop(step: int, total: int, steps_per_loop: int, *intervals: int,
                marks: tuple[int, ...] = ()) -> int:
     """The next step at which the loop must return to Python: a multiple of an
@@ -144,14 +159,19 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     if is_chief:  # so that predict and export work without the data files
         inference.keep_dataset_description(config.dataset, config.model_dir)
     plan = Plan.make(config, *counts(config, spec), runtime.num_replicas)
+    if (config.profile_steps
+            and config_lib.profile_range(config.profile_steps)[1] > plan.total_steps):
+        raise ConfigError(f"--profile_steps={config.profile_steps}: the run has "
+                          f"{plan.total_steps} steps; profile steps within it")
 
     # --- Model, optimizer and checkpoint, created under the strategy ---------------
     with strategy.scope():
         try:
             model = build_model(config, spec)
             # Layers set from the data, e.g. airbench's patch whitening (a resumed run
-            # then restores them from the checkpoint, like every weight).
-            if models.needs_data(model):
+            # then restores them from the checkpoint, like every weight; --weights
+            # brought them already).
+            if models.needs_data(model) and config.weights == "none":
                 models.init_from_data(model, inputs.init_images(config, spec))
             schedule = make_schedule(config, plan)  # a function of optimizer.iterations
             optimizer = build_optimizer(config, schedule, model, precision)
@@ -168,9 +188,10 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     flops_per_image = flops.training_flops_per_image(
         config.model, spec.num_classes, inputs.image_shape(config, spec),
         config.model_size == "tiny", config.model_options)
-    peak = flops.peak_flops(precision) if config.measure_peak else 0.0
+    peak = (flops.run_peak_flops(precision, strategy, runtime.device_kind)
+            if config.measure_peak else 0.0)
     logging.info("%.0f MFLOP per training image%s", flops_per_image / 1e6,
-                 f"; this device's {precision} matmul peak {peak / 1e9:.0f} GFLOP/s"
+                 f"; the run's {precision} matmul peak {peak / 1e9:.0f} GFLOP/s"
                  if peak else "")
     restored = checkpoints.restore_latest(checkpoint, config.model_dir)
     # optimizer.iterations is the one step counter: schedule, data position, logs.
@@ -246,7 +267,8 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
                if config.profile_steps and is_chief else ())
     profiling = False
     with inputs.data_errors_explained(spec), faults.SigtermWatcher() as sigterm, (
-            bars.above_the_bar() if bars else contextlib.nullcontext()):
+            bars.above_the_bar() if bars else contextlib.nullcontext()), (
+            _profiler_stopped_at_exit() if profile else contextlib.nullcontext()):
         train_iterator = iter(train_dataset)
         while current < plan.total_steps:
             # Back in Python at every epoch's end too: the progress bar starts anew.

@@ -67,7 +67,7 @@ def parse_lr_multipliers(text: str) -> list[tuple[str, float]]:
     return pairs
 
 
-def lr_multipliers(variables, pairs: list[tuple[str, float]]) -> list[float]:
+def lr_multipliers(variables: list, pairs: list[tuple[str, float]]) -> list[float]:
     """Each variable's multiplier: that of the first glob pattern matching its path
     (e.g. 'batch_normalization_3/beta'), else 1. A pattern matching nothing is a
     ValueError (a typo would silently change nothing)."""

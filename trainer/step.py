@@ -13,6 +13,7 @@ Metrics are (total, weight) pairs summed over replicas and steps; what is shown 
 total / weight, so sums over examples and per-step values both come out right.
 """
 import dataclasses
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -182,7 +183,7 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, batch:
             "skipped": (skipped, tf.constant(1.0))}
 
 
-def tta_of(settings) -> dict[str, bool]:
+def tta_of(settings: Any) -> dict[str, bool]:
     """The test-time augmentation settings of a Config or a run_config.json dict,
     as keyword arguments of `predict_logits`."""
     get = settings.get if isinstance(settings, dict) else lambda k: getattr(settings, k)
@@ -190,7 +191,7 @@ def tta_of(settings) -> dict[str, bool]:
 
 
 def predict_logits(model: keras.Model, images: tf.Tensor, tta_flip: bool = False,
-                   tta_translate: bool = False):
+                   tta_translate: bool = False) -> tf.Tensor:
     """float32 logits of the main head; with tta_flip, averaged with the mirror
     image's; with tta_translate too, airbench's multi-crop: half that, half the
     mean of the same for the image shifted one pixel up-left and down-right
@@ -204,7 +205,7 @@ def predict_logits(model: keras.Model, images: tf.Tensor, tta_flip: bool = False
 
     logits = flip_averaged(images)
     if tta_translate:
-        height, width = images.shape[1], images.shape[2]
+        height, width = tf.shape(images)[1], tf.shape(images)[2]  # (serving: any size)
         padded = tf.pad(images, [[0, 0], [1, 1], [1, 1], [0, 0]], mode="REFLECT")
         shifted = [padded[:, :height, :width], padded[:, 2:height + 2, 2:width + 2]]
         logits = 0.5 * logits + 0.25 * (flip_averaged(shifted[0])

@@ -88,8 +88,11 @@ def plot(runs: dict[str, dict], path: str, target: float) -> None:
 def main(argv: list[str]) -> None:
     del argv
     try:
-        runs = {os.path.basename(d.rstrip("/")): load(d)
-                for d in filter(None, FLAGS.runs.split(","))}
+        paths = list(filter(None, FLAGS.runs.split(",")))
+        names = [os.path.basename(d.rstrip("/")) for d in paths]
+        if len(set(names)) < len(names):  # runs/a/s0 and runs/b/s0: the whole paths
+            names = paths
+        runs = {name: load(d) for name, d in zip(names, paths)}
         groups = {}
         for item in filter(None, FLAGS.groups.split(",")):
             name, _, pattern = item.partition("=")

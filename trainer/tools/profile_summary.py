@@ -45,7 +45,9 @@ def newest_trace(logdir: str) -> str:
     if not found:
         raise FileNotFoundError(f"no profiler trace (*.xplane.pb) under {logdir}; train "
                                 f"with --profile_steps=A,B first")
-    return max(found)  # the directories are named by time
+    # Each trace's directory is named by its time (2026_12_01_03_12_00): the newest
+    # by that name, whichever run under logdir it belongs to.
+    return max(found, key=lambda path: (os.path.basename(os.path.dirname(path)), path))
 
 
 def _busy_time(events) -> int:
