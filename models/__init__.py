@@ -9,7 +9,6 @@ the options are the builder's own keyword arguments, given on the command line a
 """
 import functools
 import inspect
-import os
 from typing import Callable
 
 import keras

@@ -32,7 +32,7 @@ from data import sources  # noqa: E402
 import models  # noqa: E402
 from trainer import config as config_lib, distributed, inputs, loop  # noqa: E402
 from trainer import main as main_lib  # noqa: E402
-from trainer import optimizers, step  # noqa: E402
+from trainer import step  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 
 FLAGS = flags.FLAGS

@@ -11,7 +11,6 @@ Both resize to the model's size and normalize exactly as evaluation does (with
 the run's test-time augmentation, --tta_flip and --tta_translate), so clients send
 plain pixels. Load with `tf.saved_model.load(OUT)`.
 """
-import os
 import sys
 
 from trainer import cli  # noqa: E402

@@ -10,7 +10,6 @@ evaluation does, and prints the top classes with their names and probabilities.
 Exit status 2 with a one-line error on bad input.
 """
 import dataclasses
-import os
 import sys
 
 from trainer import cli  # noqa: E402

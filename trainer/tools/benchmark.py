@@ -16,7 +16,6 @@ on 2 logical CPU devices (MirroredStrategy; model.fit then runs on the same stra
 """
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time

@@ -8,7 +8,6 @@ training time per epoch, images/sec and test accuracy, to compare with
 `python -m trainer.main` run beside it (timings on a shared machine drift).
 """
 import json
-import os
 import sys
 import time
 
