@@ -111,8 +111,8 @@ def _sha(model_dir: str) -> str:
 
 
 # Mixup and CutMix on: their soft targets must also be a pure function of the step.
-RESUME = [*TINY, "--batch_size=128", "--train_steps=120", "--checkpoint_every=10",
-          "--steps_per_loop=1", "--eval_every=120", "--deterministic",
+RESUME = [*TINY, "--batch_size=128", "--train_steps=70", "--checkpoint_every=10",
+          "--steps_per_loop=1", "--eval_every=70", "--deterministic",
           "--shuffle_buffer=4096", "--mixup_alpha=0.2", "--cutmix_alpha=1.0"]
 
 
@@ -140,7 +140,7 @@ def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(tmp_path):
     assert reference.returncode == 0, reference.stderr[-2000:]
     killed_dir = str(tmp_path / "killed")
     proc = _start(killed_dir, *extra)
-    _wait_for_checkpoint(killed_dir, proc, random.Random().choice([10, 20, 30, 40, 50]))
+    _wait_for_checkpoint(killed_dir, proc, random.Random().choice([10, 20, 30, 40]))
     time.sleep(random.random() * 0.2)  # mid-step, between checkpoints
     assert proc.poll() is None, "the run ended before the kill; make it longer"
     proc.send_signal(signal.SIGKILL)
@@ -148,7 +148,7 @@ def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(tmp_path):
     resumed = _main(*RESUME, *extra, f"--model_dir={killed_dir}")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     with open(os.path.join(killed_dir, "metrics.json")) as f:
-        assert 0 < json.load(f)["resumed_from_step"] < 120
+        assert 0 < json.load(f)["resumed_from_step"] < 70
     assert _sha(killed_dir) == _sha(str(tmp_path / "ref"))
 
 

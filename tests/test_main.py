@@ -30,11 +30,12 @@ def _main(*args, timeout=300):
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_cli_trains_and_writes_weights_and_metrics(tmp_path):
-    result = _main(*TINY, f"--model_dir={tmp_path}")
+def test_cli_trains_and_writes_weights_and_metrics_with_a_quiet_log(tmp_path):
+    result = _main(*TINY, "--checkpoint_every=2", f"--model_dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-2000:]
+    assert "Sharding callback" not in result.stderr  # TF's INFO at every checkpoint
     for text in ("Strategy: OneDeviceStrategy", "per replica", "precision float32",
-                 "XLA off", "step 4/4", "ETA", "test accuracy"):
+                 "XLA off", "step 4/4", "ETA", "eval at step 4", "test accuracy"):
         assert text in result.stderr
     # Not a terminal: plain lines only, no bar, no control characters, no TF record
     # printed twice (by TF's own handler and absl's).
@@ -53,20 +54,16 @@ def test_cli_trains_and_writes_weights_and_metrics(tmp_path):
 @pytest.mark.parametrize("flag,message", [
     ("--model=resnet9", "unknown model 'resnet9'; valid: airbench, airbench_small, cifar_cnn"),
     ("--dataset=mnist", "unknown dataset 'mnist'; valid: cifar10, synthetic, tf_flowers"),
-    ("--optimizer=lion", "unknown optimizer 'lion'; valid: adam, adamw, sgd"),
-    ("--precision=fp8", "unknown precision 'fp8'"),
-    ("--lr_schedule=onecycle", "unknown lr_schedule 'onecycle'"),
-    ("--strategy=ps", "unknown strategy 'ps'"),
     ("--cpu_replicas=3", "--batch_size=16 does not divide by the 3 replicas"),
     ("--grad_accum_steps=3", "does not divide into --grad_accum_steps=3 micro-batches"),
-    ("--clip_grad_norm=-1", "--clip_grad_norm must be >= 0"),
-    ("--on_nan=retry", "unknown on_nan 'retry'; valid: skip_step, stop"),
-    ("--augment=mixup", "unknown augment 'mixup'; valid: crop_flip_saturation"),
     ("--model=xception --model_size=full --image_size=32", "at least 71x71"),
     ("--dataset=tfrecord:/nonexistent/x*.tfrec", "no dataset.json beside "
      "'/nonexistent/x*.tfrec'"),
 ])
 def test_bad_input_is_one_line_and_exit_status_2(tmp_path, flag, message):
+    """One case per place a bad value is caught (flag checks, dataset table, batch
+    split at start-up, model build, TFRecord description); the other flag checks
+    are the in-process test below."""
     checkpoint = tmp_path / "checkpoint"  # a user's checkpoint index: never touched
     checkpoint.write_text('model_checkpoint_path: "ckpt-7"\n')
     result = _main(*TINY, f"--model_dir={tmp_path}", *flag.split())
@@ -87,11 +84,24 @@ def test_tpu_local_falls_back_with_a_warning_unless_required(tmp_path):
     assert result.returncode == 2 and "no TPU found at --tpu=local" in result.stderr
 
 
-def test_default_log_is_quiet_and_verbosity_1_brings_the_library_lines_back(tmp_path):
-    quiet = _main(*TINY, "--checkpoint_every=2", f"--model_dir={tmp_path}/a")
-    assert quiet.returncode == 0, quiet.stderr[-2000:]
-    assert "Sharding callback" not in quiet.stderr  # TF's INFO at every checkpoint
-    assert "step 4/4" in quiet.stderr and "eval at step 4" in quiet.stderr
+@pytest.mark.parametrize("change,message", [
+    ({"optimizer": "lion"}, "unknown optimizer 'lion'; valid: adam, adamw, sgd"),
+    ({"precision": "fp8"}, "unknown precision 'fp8'"),
+    ({"lr_schedule": "onecycle"}, "unknown lr_schedule 'onecycle'"),
+    ({"strategy": "ps"}, "unknown strategy 'ps'"),
+    ({"clip_grad_norm": -1.0}, "--clip_grad_norm must be >= 0"),
+    ({"on_nan": "retry"}, "unknown on_nan 'retry'; valid: skip_step, stop"),
+    ({"augment": "mixup"}, "unknown augment 'mixup'; valid: crop_flip_saturation"),
+])
+def test_bad_flag_values_are_named_with_the_valid_ones(tiny_config, change, message):
+    from trainer.config import ConfigError, validate
+    with pytest.raises(ConfigError) as raised:
+        validate(tiny_config.replace(**change), models.names(), sources.names())
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_verbosity_1_brings_the_library_lines_back(tmp_path):
+    # (the default's quiet log: test_cli_trains_and_writes_weights_and_metrics_...)
     loud = _main(*TINY, "--checkpoint_every=2", "--verbosity=1", f"--model_dir={tmp_path}/b")
     assert loud.returncode == 0, loud.stderr[-2000:]
     assert "Sharding callback" in loud.stderr
