@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from test_main import ROOT, TINY, _main
+from test_main import ROOT, TINY
 from trainer import evaluate, loop
 
 

@@ -333,6 +333,23 @@ def test_airbench_logs_flops_profiles_and_resumes_bitwise_after_a_kill(
     assert resumed["weights_sha256"] == straight["weights_sha256"]
 
 
+def test_weights_given_with_weights_keep_their_whitening(tiny_config, tmp_path):
+    """--weights brings the whitening it was saved with: the loop does not set it
+    again from the data."""
+    from trainer import loop
+    saved = models.build("airbench", 10, (32, 32, 3), tiny=True)
+    kernel = saved.get_layer("whiten").kernel
+    kernel.assign(np.full(kernel.shape, 0.125, np.float32))
+    path = str(tmp_path / "start.weights.h5")
+    saved.save_weights(path)
+    config = _airbench_config(tiny_config, weights=path).replace(train_steps=2,
+                                                                 eval_every=2)
+    loop.train_and_evaluate(config)
+    final = models.build("airbench", 10, (32, 32, 3), tiny=True)
+    final.load_weights(os.path.join(config.model_dir, "model.weights.h5"))
+    np.testing.assert_array_equal(final.get_layer("whiten").kernel.numpy(), 0.125)
+
+
 # --- reporting ---------------------------------------------------------------------
 
 def test_compare_runs_finds_the_first_evaluation_at_target_and_groups_runs():
