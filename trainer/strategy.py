@@ -126,11 +126,11 @@ def create(strategy: str = "auto", tpu: str | None = None, require_tpu: bool = F
 
 def _cpu_has_bf16() -> bool:
     try:
-        # Plain open: a kernel file, never a user path; tf.io.gfile reads 0 bytes
-        # from it (/proc files report size 0).
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
+        # Line by line: /proc files report size 0, so a whole-file read() through
+        # tf.io.gfile returns nothing.
+        with tf.io.gfile.GFile("/proc/cpuinfo") as f:
+            flags = "".join(f)
+    except tf.errors.OpError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
