@@ -162,6 +162,7 @@ def write(source: str, output: str, image_size: int, shards: int,
                                                       round_trip)
         tfds_name = ""
     elif source in sources.names():
+        split = split or sources.get_spec(source).train_split
         records, total, classes = records_from_tfds(source, image_size, data_dir, split,
                                                     encoding, round_trip)
         tfds_name = source
@@ -176,9 +177,7 @@ def write(source: str, output: str, image_size: int, shards: int,
                else sources.DEFAULT_HOLDOUT)
     meta = {"source": tfds_name, "class_names": classes, "image_size": image_size,
             "records": total, "holdout_fraction": holdout, "files": len(paths),
-            "split": split or (sources.get_spec(tfds_name).train_split if tfds_name
-                               else ""),
-            "encoding": encoding, "jpeg_round_trip": round_trip}
+            "split": split, "encoding": encoding, "jpeg_round_trip": round_trip}
     with tf.io.gfile.GFile(os.path.join(tfrecords.directory(output),
                                         sources.TFRECORD_METADATA), "w") as f:
         json.dump(meta, f, indent=2)

@@ -18,8 +18,11 @@ import tensorflow as tf
 
 RUN_CONFIG = "run_config.json"
 # What the checkpoint's variables depend on: another value would restore wrong
-# slots (Keras numbers the optimizer's variables; the EMA's come first).
-_MUST_MATCH = ("model", "model_size", "dataset", "optimizer")
+# slots (Keras numbers the optimizer's variables; the EMA's come first). Unset and
+# empty are the same (runs older than a setting saved none).
+_MUST_MATCH = ("model", "model_size", "dataset", "optimizer", "model_options")
+# Settings whose on/off (> 0 or not) decides whether their variables exist.
+_MUST_MATCH_ON = ("ema_decay", "lookahead_every")
 
 
 class CheckpointError(RuntimeError):
@@ -57,16 +60,11 @@ def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True) -
         except ValueError as err:
             raise CheckpointError(f"{path} is not valid JSON ({err}); restore it, or use "
                                   f"another --model_dir") from err
-        for key, now, before in [*((k, run_config.get(k), previous.get(k))
-                                   for k in _MUST_MATCH),
-                                 # (runs older than these settings saved none)
-                                 ("model_options", run_config.get("model_options") or "",
-                                  previous.get("model_options") or ""),
-                                 ("ema_decay > 0", bool(run_config.get("ema_decay")),
-                                  bool(previous.get("ema_decay"))),
-                                 ("lookahead_every > 0",
-                                  bool(run_config.get("lookahead_every")),
-                                  bool(previous.get("lookahead_every")))]:
+        for key, now, before in [
+                *((k, run_config.get(k) or None, previous.get(k) or None)
+                  for k in _MUST_MATCH),
+                *((f"{k} > 0", bool(run_config.get(k)), bool(previous.get(k)))
+                  for k in _MUST_MATCH_ON)]:
             if now != before:
                 raise CheckpointError(
                     f"--model_dir={model_dir} holds a run with {key}={before!r}, not "

@@ -159,8 +159,9 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     if is_chief:  # so that predict and export work without the data files
         inference.keep_dataset_description(config.dataset, config.model_dir)
     plan = Plan.make(config, *counts(config, spec), runtime.num_replicas)
-    if (config.profile_steps
-            and config_lib.profile_range(config.profile_steps)[1] > plan.total_steps):
+    profile = (config_lib.profile_range(config.profile_steps) if config.profile_steps
+               else ())
+    if profile and profile[1] > plan.total_steps:
         raise ConfigError(f"--profile_steps={config.profile_steps}: the run has "
                           f"{plan.total_steps} steps; profile steps within it")
 
@@ -263,8 +264,7 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
              "checkpoint": config.checkpoint_every or plan.steps_per_epoch,
              "log": config.log_every or plan.steps_per_epoch}
     current, evaluated = start_step, False
-    profile = (config_lib.profile_range(config.profile_steps)
-               if config.profile_steps and is_chief else ())
+    profile = profile if is_chief else ()  # one trace, the chief's
     profiling = False
     with inputs.data_errors_explained(spec), faults.SigtermWatcher() as sigterm, (
             bars.above_the_bar() if bars else contextlib.nullcontext()), (
