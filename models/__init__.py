@@ -1,48 +1,125 @@
-"""The model table: name -> builder. Every builder returns a Keras model giving
-float32 logits (no softmax), whatever the mixed-precision policy, or a dict of them
-with the main head under "logits" (e.g. resnet_aux: also "aux_logits").
+"""The model registry: every model is one file in this folder whose builder is
+decorated with `@models.register(name, outputs=...)`. Every module here is imported
+with the package, so a new model is one new file: no table to edit, and the tests
+(tests/test_models.py) iterate over the registry.
 
-All builders share one signature, `build(num_classes, input_shape, tiny=False,
+A model declares what it outputs, so a task can refuse a model that does not fit
+it with one line (trainer/tasks):
+- LOGITS: float32 logits [B, classes] (no softmax), whatever the mixed-precision
+  policy; the builder takes `num_classes`.
+- HEADS: a dict of float32 logits with the main head under "logits" (e.g.
+  resnet_aux: also "aux_logits"); the builder takes `num_classes`.
+- IMAGE: an image of the input's shape (e.g. an autoencoder's reconstruction);
+  the builder takes no `num_classes`.
+
+Builders share one signature, `build([num_classes,] input_shape, tiny=False,
 **options)`: `tiny=True` gives a small variant of the same architecture for tests;
 the options are the builder's own keyword arguments, given on the command line as
 `--model_options=name=value,...` (e.g. `widths=32:64:128,whiten=false`).
 """
+import dataclasses
 import functools
+import importlib
 import inspect
+import pkgutil
 from typing import Callable
 
 import keras
 import tensorflow as tf
 
-from models import airbench, cifar_cnn, convnet, resnet, resnet_fast, squeezenet, xception
-from models.layers import init_from_data, needs_data  # noqa: F401 (the loop's)
-
 Builder = Callable[..., keras.Model]
 
-_BUILDERS: dict[str, Builder] = {
-    "airbench": airbench.build,
-    # The 3-minute variant: widths 32:64:128 against 64:256:256 (1/6 of the FLOPs).
-    "airbench_small": functools.partial(airbench.build, widths=(32, 64, 128)),
-    "cifar_cnn": cifar_cnn.build,
-    "convnet": convnet.build,
-    "resnet": resnet.build,
-    "resnet_aux": functools.partial(resnet.build, aux_head=True),
-    "resnet_fast": resnet_fast.build,
-    "squeezenet": squeezenet.build,
-    "xception": xception.build,
-}
+LOGITS, HEADS, IMAGE = "logits", "heads", "image"
+OUTPUT_KINDS = {LOGITS: "logits", HEADS: "a dict of heads with the main logits under "
+                "'logits'", IMAGE: "an image of the input's shape"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    builder: Builder
+    outputs: str          # LOGITS | HEADS | IMAGE
+    min_image_size: int   # the smallest square input the full model accepts
+
+
+_REGISTRY: dict[str, ModelEntry] = {}
+
+
+def register(name: str, outputs: str = LOGITS, min_image_size: int = 32,
+             builder: Builder | None = None):
+    """`@register("my_net")` above a builder adds it as --model=my_net. With
+    `builder=` it registers that callable (e.g. a functools.partial variant) and
+    returns it."""
+    if outputs not in OUTPUT_KINDS:
+        raise ValueError(f"model {name}: outputs={outputs!r}; use one of "
+                         f"{', '.join(OUTPUT_KINDS)}")
+
+    def add(function: Builder) -> Builder:
+        if name in _REGISTRY:
+            raise ValueError(f"two models are registered as {name!r}")
+        _REGISTRY[name] = ModelEntry(name, function, outputs, min_image_size)
+        return function
+    return add(builder) if builder is not None else add
 
 
 def names() -> tuple[str, ...]:
-    return tuple(sorted(_BUILDERS))
+    return tuple(sorted(_REGISTRY))
+
+
+def entry(name: str) -> ModelEntry:
+    """The registry entry of `name`; an unknown name is a ValueError listing the
+    known ones."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(names())}")
+    return _REGISTRY[name]
+
+
+def names_with_outputs(kinds) -> tuple[str, ...]:
+    return tuple(n for n in names() if _REGISTRY[n].outputs in kinds)
+
+
+def parse_keyword_options(text: str, defaults: dict, flag: str, owner: str) -> dict:
+    """'widths=32:64:128,whiten=false' -> keyword arguments, each typed after its
+    default in `defaults` (bool, int, float, str, a flat tuple of them as a:b:c;
+    a default of None takes a number, true/false or none). An unknown or malformed
+    option is a ValueError naming `flag` and the valid options of `owner`. (Also
+    used for the optimizer's options.)"""
+    options = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in defaults or not value:
+            raise ValueError(f"{flag}: {item!r} is not an option of {owner}; valid: "
+                             f"{', '.join(f'{k}=VALUE' for k in defaults) or 'none'}")
+        options[key] = _typed(value, defaults[key], key, flag)
+    return options
+
+
+def _typed(value: str, default, key: str, flag: str):
+    try:
+        if isinstance(default, bool) or (default is None and value.lower() in (
+                "true", "false")):
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1")
+        if default is None:
+            if value.lower() == "none":
+                return None
+            return int(value) if value.lstrip("-").isdigit() else float(value)
+        if isinstance(default, tuple):
+            return tuple(type(default[0])(v) for v in value.split(":"))
+        return type(default)(value)
+    except ValueError:
+        raise ValueError(f"{flag}: {key}={value!r} is not like the default "
+                         f"{default!r}") from None
 
 
 def parse_options(name: str, text: str) -> dict:
-    """'widths=32:64:128,whiten=false' -> builder keyword arguments, typed after the
-    builder's defaults. An unknown or malformed option is a ValueError."""
+    """'widths=32:64:128,whiten=false' -> the builder's keyword arguments, typed
+    after its defaults. An unknown or malformed option is a ValueError."""
     if not text:
         return {}
-    builder = _BUILDERS[name]
+    builder = entry(name).builder
     defaults = {key: p.default for key, p in inspect.signature(builder).parameters.items()
                 if key not in ("num_classes", "input_shape", "tiny", "backbone_weights")}
     if isinstance(builder, functools.partial):
@@ -51,51 +128,32 @@ def parse_options(name: str, text: str) -> dict:
     scalar = lambda v: isinstance(v, (bool, int, float, str))  # noqa: E731
     defaults = {k: v for k, v in defaults.items() if scalar(v) or (
         isinstance(v, tuple) and v and all(scalar(item) for item in v))}
-    options = {}
-    for item in text.split(","):
-        key, _, value = item.partition("=")
-        key = key.strip()
-        if key not in defaults or not value:
-            raise ValueError(f"--model_options: {item!r} is not an option of {name}; "
-                             f"valid: {', '.join(f'{k}=VALUE' for k in defaults) or 'none'}")
-        default = defaults[key]
-        try:
-            if isinstance(default, bool):
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(value)
-                options[key] = value.lower() in ("true", "1")
-            elif isinstance(default, tuple):
-                options[key] = tuple(type(default[0])(v) for v in value.split(":"))
-            else:
-                options[key] = type(default)(value)
-        except ValueError:
-            raise ValueError(f"--model_options: {key}={value!r} is not like the "
-                             f"default {default!r}") from None
-    return options
+    return parse_keyword_options(text, defaults, "--model_options", name)
 
 
-def build(name: str, num_classes: int, input_shape: tuple[int, int, int],
+def build(name: str, num_classes: int | None, input_shape: tuple[int, int, int],
           tiny: bool = False, weights: str | None = None, options: str = "") -> keras.Model:
     """Builds model `name`; an unknown name is a ValueError listing the known ones.
 
+    num_classes: for LOGITS and HEADS models (ignored by IMAGE models).
     weights: None/"none" (random init); a `*.weights.h5` file saved from this model
     (e.g. a run's model.weights.h5); for xception also "imagenet" or Keras' notop
     backbone file. options: the builder's keyword arguments (see parse_options).
     """
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(names())}")
+    model_entry = entry(name)
     weights = None if weights in (None, "", "none") else weights
     if weights and weights != "imagenet" and not tf.io.gfile.exists(weights):
         raise ValueError(f"--weights={weights}: no such file")
     whole_model = weights is not None and weights.endswith(".weights.h5")
     kwargs = parse_options(name, options)
     if weights and not whole_model:
-        if name != "xception":
+        if "backbone_weights" not in inspect.signature(model_entry.builder).parameters:
             raise ValueError(f"--weights={weights}: {name} takes only a .weights.h5 file "
                              f"saved from the same model")
         kwargs["backbone_weights"] = weights
-    model = _BUILDERS[name](num_classes=num_classes, input_shape=input_shape, tiny=tiny,
-                            **kwargs)
+    if model_entry.outputs != IMAGE:
+        kwargs["num_classes"] = num_classes
+    model = model_entry.builder(input_shape=input_shape, tiny=tiny, **kwargs)
     if whole_model:
         try:
             model.load_weights(weights)
@@ -103,3 +161,10 @@ def build(name: str, num_classes: int, input_shape: tuple[int, int, int],
             raise ValueError(f"--weights={weights} does not fit {model.name}: "
                              f"{str(err).splitlines()[0]}") from err
     return model
+
+
+# Every model file registers itself when imported; import them all.
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+from models.layers import init_from_data, needs_data  # noqa: E402,F401 (the loop's)

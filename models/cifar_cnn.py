@@ -7,7 +7,10 @@ numerically safer, and it stays float32 under mixed precision.
 import keras
 from keras import layers
 
+import models
 
+
+@models.register("cifar_cnn")
 def build(num_classes: int = 10, input_shape: tuple[int, int, int] = (32, 32, 3),
           tiny: bool = False) -> keras.Model:
     """Args: tiny: widths divided by 8 (same layers), for fast tests."""

@@ -3,9 +3,12 @@ pair, global average pooling and a dense logits head."""
 import keras
 from keras import layers
 
+import models
+
 CODELAB_FILTERS = (16, 30, 60, 90, 110)  # a 2x2 max-pool after all but the first
 
 
+@models.register("convnet")
 def build(num_classes: int = 5, input_shape: tuple[int, int, int] = (192, 192, 3),
           tiny: bool = False) -> keras.Model:
     filters, head = ((4, 8, 8), (16, 8)) if tiny else (CODELAB_FILTERS, (130, 40))

@@ -8,8 +8,12 @@ ResNet-20 (0.27M parameters), is a modern CIFAR-10 baseline that a CPU can train
 auxiliary heads): the model then returns {"logits", "aux_logits"}; the training
 step adds the auxiliary loss, evaluation and serving use "logits".
 """
+import functools
+
 import keras
 from keras import layers
+
+import models
 
 
 def _conv_bn(x, filters: int, strides: int = 1, kernel: int = 3):
@@ -27,6 +31,7 @@ def basic_block(x, filters: int, strides: int = 1):
     return layers.Activation("relu")(layers.add([y, shortcut]))
 
 
+@models.register("resnet")
 def build(num_classes: int = 10, input_shape: tuple[int, int, int] = (32, 32, 3),
           tiny: bool = False, blocks: int = 3, width: int = 16,
           aux_head: bool = False) -> keras.Model:
@@ -49,3 +54,8 @@ def build(num_classes: int = 10, input_shape: tuple[int, int, int] = (32, 32, 3)
     name = ("resnet_tiny" if tiny else f"resnet{6 * blocks + 2}") + ("_aux" if aux_head else "")
     outputs = {"logits": logits, "aux_logits": aux_logits} if aux_head else logits
     return keras.Model(inputs, outputs, name=name)
+
+
+# ResNet-20 with an auxiliary classifier after the second stage: {"logits", "aux_logits"}.
+models.register("resnet_aux", outputs=models.HEADS,
+                builder=functools.partial(build, aux_head=True))

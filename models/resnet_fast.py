@@ -9,6 +9,8 @@ which costs a quarter of the FLOPs, so that a 2-core CPU can train it in minutes
 import keras
 from keras import layers
 
+import models
+
 BN_MOMENTUM = 0.6
 HEAD_SCALE = 0.125  # Page's logit scaling: a cooler softmax early in training
 
@@ -27,6 +29,7 @@ def _stage(x, filters: int, residual: bool):
     return x
 
 
+@models.register("resnet_fast")
 def build(num_classes: int = 10, input_shape: tuple[int, int, int] = (32, 32, 3),
           tiny: bool = False, width: int = 32) -> keras.Model:
     width = 4 if tiny else width

@@ -8,6 +8,8 @@ is too slow for the few dozen batches per epoch of a small dataset.
 import keras
 from keras import layers
 
+import models
+
 # (squeeze, expand) per fire module; a 2x2 max-pool follows every module but the last.
 CODELAB_FIRES = ((24, 48), (48, 96), (64, 128), (48, 96), (24, 48))
 BN_MOMENTUM = 0.9
@@ -26,6 +28,7 @@ def fire(x, squeeze: int, expand: int):
     return layers.Concatenate()([_conv_bn(x, expand // 2, 1), _conv_bn(x, expand // 2, 3)])
 
 
+@models.register("squeezenet")
 def build(num_classes: int = 5, input_shape: tuple[int, int, int] = (192, 192, 3),
           tiny: bool = False, stem_filters: int = 32,
           fires: tuple[tuple[int, int], ...] = CODELAB_FIRES) -> keras.Model:

@@ -8,6 +8,8 @@ needs the network) or the path of Keras' notop weights file.
 import keras
 from keras import layers
 
+import models
+
 IMAGENET_FILE = "xception_weights_tf_dim_ordering_tf_kernels_notop.h5"
 MIN_SIZE = 71  # keras.applications.Xception's smallest input
 
@@ -40,6 +42,7 @@ def _backbone(inputs, weights: str | None):
                          ) from err
 
 
+@models.register("xception", min_image_size=MIN_SIZE)
 def build(num_classes: int = 5, input_shape: tuple[int, int, int] = (192, 192, 3),
           tiny: bool = False, backbone_weights: str | None = None) -> keras.Model:
     if not tiny and min(input_shape[:2]) < MIN_SIZE:

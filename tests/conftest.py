@@ -63,3 +63,13 @@ def small_tfrecord_dataset(root, class_names=("a", "b"), per_class: int = 6,
     (root / "rec" / "dataset.json").write_text(json.dumps(
         {"class_names": list(class_names), "image_size": 16, "holdout_fraction": 0.25}))
     return path
+
+
+def classification(**settings):
+    """The classification task with `settings` (on the synthetic dataset's spec),
+    for steps called by hand."""
+    from data import sources
+    from trainer import tasks
+    spec = sources.get_spec("synthetic")
+    return tasks.get("classification")(tasks.make_settings("classification", settings),
+                                       spec, spec.image_shape)

@@ -6,6 +6,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from conftest import classification
+
 from test_step import _batch, _no_bn_model
 from trainer import averaging, distributed, loop, optimizers, step
 
@@ -19,7 +21,7 @@ def _train(strategy, ema_decay, steps=3):
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
     options = step.StepOptions(batch_size=8)
     distributed.make_train_loop(
-        strategy, lambda batch: step.train_step(model, optimizer, batch, options))(
+        strategy, lambda batch: step.train_step(model, optimizer, classification(), batch, options))(
         iterator, tf.constant(steps), tf.constant(0.0))
     return model, optimizer
 

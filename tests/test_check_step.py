@@ -1,28 +1,34 @@
-"""trainer.check_step: 1 vs 2 replicas on the configured step, PASS on ours, FAIL on
-the classic distributed-step bugs."""
+"""trainer.check_step: 1 vs 2 replicas on the run as training builds it, at the
+default tolerance: PASS on correct steps and tasks, FAIL on the planted bugs (the
+loss divided per replica, a metric with the wrong weight, SAM with this replica's
+gradient norm, a teacher run in training mode)."""
+import json
 import os
 import subprocess
 import sys
 
-import keras
 import tensorflow as tf
 
 from conftest import CPUS
+import models
 from trainer import check_step, step
+from trainer.tasks import distill
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _check(config, train_step=step.train_step):
-    return check_step.run_check(config.replace(batch_size=16), num_steps=2,
-                                train_step=train_step, devices=CPUS[:2])
+def _check(config):
+    """check_step at its defaults (3 steps, the default tolerance)."""
+    result = check_step.run_check(config.replace(batch_size=16), devices=CPUS[:2])
+    return result, check_step.report(result, config, 3)
 
 
 def test_our_step_passes_with_batch_norm_and_dropout_in_the_model(tiny_config):
-    result = _check(tiny_config)  # the tiny cifar_cnn has both
-    assert result.passed, check_step.report(result, tiny_config, 2)
-    assert result.weight_difference < 1e-3
+    result, report = _check(tiny_config)  # the tiny cifar_cnn has both
+    assert result.passed, report
+    assert result.weight_difference < 1e-10  # float64 rounding
     assert set(result.metrics) >= {"loss", "accuracy", "grad_norm"}
+    assert "PASS: decided by " in report
 
 
 def test_a_loss_averaged_per_replica_fails_on_the_gradient_norm(tiny_config, monkeypatch):
@@ -30,30 +36,78 @@ def test_a_loss_averaged_per_replica_fails_on_the_gradient_norm(tiny_config, mon
     # are summed, so 2 replicas train with twice the gradient.
     monkeypatch.setattr(step, "_mean_over_global_batch",
                         lambda per_example_loss, options: tf.reduce_mean(per_example_loss))
-    result = _check(tiny_config)
+    result, report = _check(tiny_config)
     assert not result.passed
     one, two, _ = result.metrics["grad_norm"]
     assert two / one > 1.9
+    assert "FAIL: decided by " in report
 
 
-def test_a_metric_with_the_wrong_weight_fails(tiny_config):
-    def step_with_a_wrong_metric(model, optimizer, batch, options):
-        metrics = step.train_step(model, optimizer, batch, options)
+def test_a_metric_with_the_wrong_weight_fails(tiny_config, monkeypatch):
+    original = step.train_step
+
+    def step_with_a_wrong_metric(model, optimizer, task, batch, options):
+        metrics = original(model, optimizer, task, batch, options)
         total, _ = metrics["loss"]
         # The loss as the step optimizes it (this replica's sum / the GLOBAL batch),
         # reported with weight 1 per replica: 2 replicas show half the loss.
-        return {**metrics, "scaled_loss": (total / options.batch_size, tf.constant(1.0))}
-    result = _check(tiny_config, step_with_a_wrong_metric)
-    assert not result.passed and result.metrics["scaled_loss"][2] > 0.4
+        return {**metrics, "scaled_loss": (total / options.batch_size, 1.0)}
+
+    monkeypatch.setattr(step, "train_step", step_with_a_wrong_metric)
+    result, report = _check(tiny_config)
+    assert not result.passed and result.deciding[0] == "scaled_loss", report
 
 
-def test_checkable_model_synchronizes_batch_norm_and_drops_dropout():
-    import models
-    model = check_step.checkable(models.build("cifar_cnn", 10, (32, 32, 3), tiny=True))
-    norms = [l for l in model.layers if isinstance(l, keras.layers.BatchNormalization)]
-    drops = [l for l in model.layers if isinstance(l, keras.layers.Dropout)]
-    assert norms and all(layer.synchronized for layer in norms)
-    assert drops and all(layer.rate == 0.0 for layer in drops)
+def test_sam_passes_and_sam_with_this_replicas_norm_fails(tiny_config, monkeypatch):
+    config = tiny_config.replace(sam_rho=0.05)
+    result, report = _check(config)
+    assert result.passed, report
+
+    def sam_from_the_local_gradient(model, optimizer, task, batch, options, gradients,
+                                    grad_norm, finite):
+        # The bug: perturb along this replica's own gradient and norm (before the sum).
+        local, _ = step._micro_batch_gradients(model, optimizer, task, batch, options)
+        scale = options.sam_rho / (tf.linalg.global_norm(local) + 1e-12)
+        gradients = step.gradient_at_offset(model, optimizer, task, batch, options,
+                                            [scale * g for g in local], finite)
+        return gradients, tf.linalg.global_norm(gradients), finite
+
+    monkeypatch.setattr(step, "sam_gradient", sam_from_the_local_gradient)
+    result, report = _check(config)
+    assert not result.passed, report
+    assert result.weight_difference > 1e-3
+
+
+def _teacher_run(directory, seed: int = 4) -> str:
+    """A finished run's directory as the teacher needs it: run_config.json and
+    model.weights.h5 of a tiny cifar_cnn on the synthetic data."""
+    os.makedirs(directory, exist_ok=True)
+    tf.keras.utils.set_random_seed(seed)
+    models.build("cifar_cnn", 10, (32, 32, 3), tiny=True).save_weights(
+        os.path.join(directory, "model.weights.h5"))
+    with open(os.path.join(directory, "run_config.json"), "w") as f:
+        json.dump({"model": "cifar_cnn", "model_size": "tiny", "dataset": "synthetic"}, f)
+    return str(directory)
+
+
+def test_distillation_passes_and_a_teacher_in_training_mode_fails(tiny_config, tmp_path,
+                                                                   monkeypatch):
+    config = tiny_config.replace(task="distill").with_settings(
+        teacher_dir=_teacher_run(tmp_path / "teacher"), distill_alpha=0.3)
+    result, report = _check(config)
+    assert result.passed, report
+    assert {"distill_kl", "teacher_agreement"} <= set(result.metrics)  # the teacher ran
+    original_build = distill.Distill.build
+
+    def build_a_teacher_in_training_mode(self, adapt=None):
+        original_build(self, adapt)
+        teacher = self.teacher
+        # The bug: batch-norm on each replica's half alone (and dropout on).
+        self.teacher = lambda images, training: teacher(images, training=True)
+
+    monkeypatch.setattr(distill.Distill, "build", build_a_teacher_in_training_mode)
+    result, report = _check(config)
+    assert not result.passed, report
 
 
 def test_command_prints_pass_and_exits_0():
@@ -64,4 +118,4 @@ def test_command_prints_pass_and_exits_0():
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
-    assert "PASS" in result.stdout and "grad_norm" in result.stdout
+    assert "PASS: decided by" in result.stdout and "grad_norm" in result.stdout

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import CPUS, mirrored
+from conftest import CPUS, mirrored, classification
 from test_main import ROOT, TINY, _main
 from test_step import _batch
 from trainer import distributed, faults, optimizers, step
@@ -38,7 +38,7 @@ def _train(strategy, batches):
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
     options = step.StepOptions(batch_size=8)
     loop = distributed.make_train_loop(
-        strategy, lambda batch: step.train_step(model, optimizer, batch, options))
+        strategy, lambda batch: step.train_step(model, optimizer, classification(), batch, options))
     sums, _ = loop(iterator, tf.constant(len(batches)), tf.constant(0.0))
     return model, optimizer, tf.nest.map_structure(lambda t: float(t), sums)
 
@@ -81,7 +81,8 @@ def test_skip_step_keeps_schedule_and_data_position_together(tmp_path):
     assert metrics["skipped_steps"] >= 1 and metrics["steps"] == 6
     with open(os.path.join(config.model_dir, "metrics.json")) as f:
         history = json.load(f)["train_history"]
-    schedule = loop.make_schedule(config, loop.Plan.make(config, 10_000, 2_000, 1))
+    from trainer import build
+    schedule = build.make_schedule(config, build.Plan.make(config, 10_000, 2_000, 1))
     for record in history:  # the LR of the next step, at every step, skipped or not
         assert record["learning_rate"] == pytest.approx(float(schedule(record["step"])))
     assert tf.train.latest_checkpoint(config.model_dir).endswith("ckpt-6")
@@ -189,7 +190,7 @@ def test_a_skipped_step_leaves_batch_norm_statistics_as_they_were(replicas):
         optimizer = optimizers.create("sgd", 0.01, model.trainable_variables, momentum=0.0)
     options = step.StepOptions(batch_size=8)
     loop = distributed.make_train_loop(
-        strategy, lambda batch: step.train_step(model, optimizer, batch, options))
+        strategy, lambda batch: step.train_step(model, optimizer, classification(), batch, options))
     good = iter(strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensors(_batch()).repeat()))
     loop(good, tf.constant(1), tf.constant(0.0))

@@ -25,10 +25,10 @@ def test_a_metric_the_step_returns_reaches_log_tensorboard_and_metrics_json(
         tiny_config, monkeypatch, caplog):
     original = step.train_step
 
-    def step_with_a_new_metric(model, optimizer, batch, options):
-        metrics = original(model, optimizer, batch, options)
+    def step_with_a_new_metric(model, optimizer, task, batch, options):
+        metrics = original(model, optimizer, task, batch, options)
         # The researcher's one-line change: the mean squared logit of the batch.
-        logits = step.logits_of(model(batch["image"], training=False))
+        logits = model(batch["image"], training=False)
         return {**metrics, "logit_square": (tf.reduce_sum(logits ** 2),
                                             tf.cast(tf.size(logits), tf.float32))}
 
@@ -53,7 +53,7 @@ def test_a_metric_the_step_returns_reaches_log_tensorboard_and_metrics_json(
 def test_a_two_output_model_trains_with_its_auxiliary_loss_and_exports_logits(
         tiny_config, tmp_path):
     from trainer.serving import export, inference
-    config = tiny_config.replace(model="resnet_aux", aux_loss_weight=0.5)
+    config = tiny_config.replace(model="resnet_aux").with_settings(aux_loss_weight=0.5)
     metrics = loop.train_and_evaluate(config)
     assert np.isfinite(metrics["train_loss"]) and metrics["test_examples"] == 2000
     trained = inference.TrainedModel(config.model_dir)
@@ -64,7 +64,7 @@ def test_a_two_output_model_trains_with_its_auxiliary_loss_and_exports_logits(
     images = tf.constant(np.random.default_rng(0).integers(0, 255, (3, 32, 32, 3)),
                          tf.uint8)
     result = served.signatures["predict_images"](images=images)
-    expected = trained.probabilities(list(images.numpy()))
+    expected = trained.serve(list(images.numpy()))["probabilities"]
     np.testing.assert_allclose(result["probabilities"].numpy(), expected, atol=1e-5)
 
 

@@ -1,4 +1,7 @@
 """The model table and every model's tiny variant; SqueezeNet's fire module; weights."""
+import os
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -6,16 +9,16 @@ import pytest
 import models
 from models import squeezenet, xception
 
-SHAPES = {"cifar_cnn": (32, 32, 3), "resnet": (32, 32, 3), "resnet_fast": (32, 32, 3),
-          "resnet_aux": (32, 32, 3), "airbench": (32, 32, 3), "airbench_small": (32, 32, 3),
-          "convnet": (64, 64, 3),
-          "squeezenet": (64, 64, 3), "xception": (64, 64, 3)}
+
+
+def _shape(name: str) -> tuple[int, int, int]:
+    size = models.entry(name).min_image_size
+    return (size, size, 3)
 
 
 def test_unknown_model_lists_known_ones():
     with pytest.raises(ValueError, match="unknown model 'resnet9'; valid: airbench, "
-                                         "airbench_small, cifar_cnn, convnet, resnet, "
-                                         "resnet_aux, resnet_fast, squeezenet, xception"):
+                                         "airbench_small, cifar_cnn"):
         models.build("resnet9", 10, (32, 32, 3))
 
 
@@ -24,18 +27,42 @@ def test_cifar_cnn_matches_the_seed_parameter_count():
     assert models.build("cifar_cnn", 10, (32, 32, 3)).count_params() == 1_676_982
 
 
-def test_every_model_is_in_the_table():
-    assert set(models.names()) == set(SHAPES)
+def test_a_new_model_file_registers_itself(tmp_path, monkeypatch):
+    """A model is one new file in models/: imported with the package, it is in the
+    registry (no table to edit) and builds by name."""
+    import importlib
+    import shutil
+    package = tmp_path / "models"
+    shutil.copytree(os.path.dirname(models.__file__), package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "my_mlp.py").write_text(
+        "import keras\nimport models\n\n\n"
+        "@models.register('my_mlp')\n"
+        "def build(num_classes, input_shape, tiny=False, width=32):\n"
+        "    inputs = keras.Input(input_shape)\n"
+        "    x = keras.layers.Dense(width, activation='relu')(keras.layers.Flatten()(inputs))\n"
+        "    return keras.Model(inputs, keras.layers.Dense(num_classes)(x))\n")
+    for name in [n for n in sys.modules if n == "models" or n.startswith("models.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fresh = importlib.import_module("models")
+    assert "my_mlp" in fresh.names() and fresh.entry("my_mlp").outputs == fresh.LOGITS
+    assert fresh.build("my_mlp", 4, (8, 8, 3), options="width=16").output_shape == (None, 4)
 
 
-@pytest.mark.parametrize("name", sorted(SHAPES))
-def test_tiny_variant_outputs_float32_logits(name):
+@pytest.mark.parametrize("name", models.names())
+def test_tiny_variant_outputs_what_the_model_declares(name):
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    model = models.build(name, 7, SHAPES[name], tiny=True)
+    kind = models.entry(name).outputs
+    model = models.build(name, 7, _shape(name), tiny=True)
     assert model.count_params() < 100_000
-    outputs = model(np.random.default_rng(0).normal(size=(3, *SHAPES[name])),
-                    training=False)
-    if isinstance(outputs, dict):  # the main head is "logits"; others are auxiliary
+    images = np.random.default_rng(0).normal(size=(3, *_shape(name)))
+    outputs = model(images, training=False)
+    if kind == models.IMAGE:  # a reconstruction of the input, float32
+        assert outputs.shape == images.shape and outputs.dtype == "float32"
+        return
+    if kind == models.HEADS:  # the main head is "logits"; others are auxiliary
+        assert isinstance(outputs, dict) and "logits" in outputs
         assert all(o.shape == (3, 7) and o.dtype == "float32" for o in outputs.values())
         outputs = outputs["logits"]
     assert outputs.shape == (3, 7) and outputs.dtype == "float32"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import CPUS, mirrored
+from conftest import CPUS, mirrored, classification
 import models
 from data import augment, pipeline
 from models.layers import Dirac, PatchWhitening
@@ -139,7 +139,7 @@ def _sgd_steps(strategy, weights, batches, lookahead_every=0, decay=0.9, total=5
     dataset = tf.data.Dataset.from_tensor_slices(
         {key: tf.stack([b[key] for b in batches]) for key in batches[0]})
     loop = distributed.make_train_loop(
-        strategy, lambda batch: step.train_step(model, optimizer, batch, options))
+        strategy, lambda batch: step.train_step(model, optimizer, classification(), batch, options))
     loop(iter(strategy.experimental_distribute_dataset(dataset)),
          tf.constant(len(batches)), tf.constant(0.0))
     if all_replicas:  # [replica][variable]: every replica's own copy
@@ -260,12 +260,12 @@ def test_multi_crop_tta_averages_the_six_airbench_views():
     up_left, down_right = padded[:, :6, :6], padded[:, 2:, 2:]
     both = lambda x: (f(x) + f(mirror(x))) / 2  # noqa: E731
     want = 0.5 * both(images) + 0.25 * both(up_left) + 0.25 * both(down_right)
-    got = step.predict_logits(model, tf.constant(images), tta_flip=True, tta_translate=True)
+    got = classification(tta_flip=True, tta_translate=True).predict(model,
+                                                                    tf.constant(images))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     only_translate = 0.5 * f(images) + 0.25 * f(up_left) + 0.25 * f(down_right)
-    np.testing.assert_allclose(step.predict_logits(model, tf.constant(images),
-                                                   tta_translate=True),
-                               only_translate, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(classification(tta_translate=True).predict(
+        model, tf.constant(images)), only_translate, rtol=1e-5, atol=1e-5)
 
 
 # --- the recipe through the loop: FLOP/s, profiler, exact resume -------------------
@@ -275,9 +275,9 @@ def _airbench_config(tiny_config, **changes):
         model="airbench", batch_size=16, train_steps=8, steps_per_loop=2, log_every=2,
         eval_every=8, checkpoint_every=4, optimizer="sgd", momentum=0.85,
         learning_rate=0.2, lr_schedule="linear", warmup_epochs=0.0, weight_decay=5e-3,
-        lr_multipliers="*/beta=64", label_smoothing=0.2, augment="translate",
-        alternating_flip=True, lookahead_every=3, tta_flip=True, tta_translate=True,
-        deterministic=True, **changes)
+        lr_multipliers="*/beta=64", augment="translate", alternating_flip=True,
+        lookahead_every=3, deterministic=True, **changes).with_settings(
+            label_smoothing=0.2, tta_flip=True, tta_translate=True)
 
 
 def test_airbench_logs_flops_profiles_and_resumes_bitwise_after_a_kill(

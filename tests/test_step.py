@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import CPUS, mirrored
+from conftest import CPUS, mirrored, classification
 from trainer import distributed, optimizers, step
 
 
@@ -33,9 +33,10 @@ def _one_device():
 
 
 def _train(strategy, steps=1, global_batch=8, optimizer_name="sgd", learning_rate=0.1,
-           batches=None, model_fn=_no_bn_model, **options):
+           batches=None, model_fn=_no_bn_model, task=None, **options):
     """Trains `steps` steps (of `batches`, cycled, else one fixed batch); returns
     (model, optimizer, metric means)."""
+    task = task or classification()
     with strategy.scope():
         model = model_fn()
         optimizer = optimizers.create(optimizer_name, learning_rate,
@@ -47,7 +48,7 @@ def _train(strategy, steps=1, global_batch=8, optimizer_name="sgd", learning_rat
         {key: tf.stack([b[key] for b in batches]) for key in batches[0]}).repeat()
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
     loop = distributed.make_train_loop(
-        strategy, lambda batch: step.train_step(model, optimizer, batch, step_options))
+        strategy, lambda batch: step.train_step(model, optimizer, task, batch, step_options))
     sums, _ = loop(iterator, tf.constant(steps), tf.constant(0.0))
     return model, optimizer, distributed.means(
         tf.nest.map_structure(lambda t: t.numpy(), sums))
@@ -141,8 +142,7 @@ def test_an_auxiliary_head_adds_its_weighted_loss():
     outputs = model(batch["image"])
     ce = lambda logits: keras.losses.sparse_categorical_crossentropy(  # noqa: E731
         batch["label"], logits, from_logits=True)
-    options = step.StepOptions(batch_size=8, aux_loss_weight=0.4)
-    np.testing.assert_allclose(step.loss_fn(batch, outputs, options),
+    np.testing.assert_allclose(classification(aux_loss_weight=0.4).loss(batch, outputs)[0],
                                ce(outputs["logits"]) + 0.4 * ce(outputs["aux_logits"]),
                                rtol=1e-6)
     # Trained, the auxiliary head moves; evaluation reads the main head only.
@@ -150,8 +150,7 @@ def test_an_auxiliary_head_adds_its_weighted_loss():
     assert np.isfinite(metrics["loss"])
     aux_kernel = trained.get_layer("aux").get_weights()[0]
     assert not np.allclose(aux_kernel, model.get_layer("aux").get_weights()[0])
-    eval_sums = step.eval_step(trained, {**batch, "mask": tf.ones(8)},
-                               step.StepOptions(batch_size=8))
+    eval_sums = step.eval_step(trained, classification(), {**batch, "mask": tf.ones(8)})
     np.testing.assert_allclose(float(eval_sums["loss"][0]), float(tf.reduce_sum(
         ce(trained(batch["image"])["logits"]))), rtol=1e-5)
 
@@ -161,9 +160,8 @@ def test_soft_targets_train_against_the_target_and_score_the_hard_label():
     outputs = _no_bn_model()(batch["image"])
     targets = 0.7 * tf.one_hot(batch["label"], 5) + 0.3 * tf.one_hot(
         tf.reverse(batch["label"], [0]), 5)
-    options = step.StepOptions(batch_size=8)
     np.testing.assert_allclose(
-        step.loss_fn({**batch, "target": targets}, outputs, options),
+        classification().loss({**batch, "target": targets}, outputs)[0],
         keras.losses.categorical_crossentropy(targets, outputs, from_logits=True),
         rtol=1e-6)
 
@@ -174,9 +172,8 @@ def test_reported_loss_is_the_unscaled_mean(strategy):
     batch = _batch()
     expected = float(tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
         batch["label"], model(batch["image"]), from_logits=True)))
-    options = step.StepOptions(batch_size=8)
-    loop = distributed.make_eval_loop(strategy,
-                                      lambda b: step.eval_step(model, b, options))
+    task = classification()
+    loop = distributed.make_eval_loop(strategy, lambda b: step.eval_step(model, task, b))
     masked = tf.data.Dataset.from_tensors({**batch, "mask": tf.ones([8])}).repeat()
     sums = loop(iter(strategy.experimental_distribute_dataset(masked)), tf.constant(1))
     means = distributed.means(tf.nest.map_structure(lambda t: t.numpy(), sums))
@@ -187,12 +184,11 @@ def test_eval_step_ignores_padding_and_leaves_weights():
     model = _no_bn_model()
     batch = _batch()
     weights = [w.copy() for w in model.get_weights()]
-    options = step.StepOptions(batch_size=8)
-    sums = step.eval_step(model, {**batch, "mask": tf.constant([1.0] * 5 + [0.0] * 3)},
-                          options)
+    task = classification()
+    sums = step.eval_step(model, task, {**batch, "mask": tf.constant([1.0] * 5 + [0.0] * 3)})
     assert float(sums["loss"][1]) == 5
-    full = step.eval_step(model, {"image": batch["image"][:5], "label": batch["label"][:5],
-                                  "mask": tf.ones([5])}, options)
+    full = step.eval_step(model, task, {"image": batch["image"][:5],
+                                        "label": batch["label"][:5], "mask": tf.ones([5])})
     np.testing.assert_allclose(float(sums["loss"][0]), float(full["loss"][0]), rtol=1e-5)
     for a, b in zip(weights, model.get_weights()):
         np.testing.assert_array_equal(a, b)
@@ -210,7 +206,7 @@ def test_mixed_float16_step_unscales_before_the_norm_and_matches_float32():
     options = step.StepOptions(batch_size=8)
     dataset = tf.data.Dataset.from_tensors(_batch()).repeat()
     loop = distributed.make_train_loop(
-        strategy, lambda batch: step.train_step(model, optimizer, batch, options))
+        strategy, lambda batch: step.train_step(model, optimizer, classification(), batch, options))
     sums, _ = loop(iter(strategy.experimental_distribute_dataset(dataset)),
                    tf.constant(2), tf.constant(0.0))
     metrics = distributed.means(tf.nest.map_structure(lambda t: t.numpy(), sums))
@@ -228,7 +224,7 @@ def test_jit_compiled_step_matches_plain_step():
     options = step.StepOptions(batch_size=8)
     dataset = tf.data.Dataset.from_tensors(_batch()).repeat()
     loop = distributed.make_train_loop(
-        strategy, lambda batch: step.train_step(model, optimizer, batch, options),
+        strategy, lambda batch: step.train_step(model, optimizer, classification(), batch, options),
         jit_compile=True)
     loop(iter(strategy.experimental_distribute_dataset(dataset)), tf.constant(1),
          tf.constant(0.0))
@@ -238,9 +234,8 @@ def test_jit_compiled_step_matches_plain_step():
 def test_label_smoothing_raises_the_loss_of_a_confident_right_answer():
     logits = tf.constant([[10.0, -10.0, -10.0]])
     batch = {"label": tf.constant([0])}
-    plain = float(step.loss_fn(batch, logits, step.StepOptions(batch_size=1))[0])
-    smoothed = float(step.loss_fn(batch, logits, step.StepOptions(
-        batch_size=1, label_smoothing=0.1))[0])
+    plain = float(classification().loss(batch, logits)[0][0])
+    smoothed = float(classification(label_smoothing=0.1).loss(batch, logits)[0][0])
     # 0.1 of the target is spread uniformly: 1/30 on each wrong class, at logit -10.
     assert plain < 1e-6 and smoothed == pytest.approx(2 / 30 * 20, rel=0.01)
 
@@ -248,13 +243,14 @@ def test_label_smoothing_raises_the_loss_of_a_confident_right_answer():
 def test_flip_tta_evaluates_an_image_and_its_mirror():
     model = _no_bn_model()
     images = _batch()["image"]
-    tta = step.predict_logits(model, images, tta_flip=True)
-    tta_of_mirror = step.predict_logits(model, tf.reverse(images, axis=[2]), tta_flip=True)
-    plain = step.predict_logits(model, images)
+    flip, plain_task = classification(tta_flip=True), classification()
+    tta = flip.predict(model, images)
+    tta_of_mirror = flip.predict(model, tf.reverse(images, axis=[2]))
+    plain = plain_task.predict(model, images)
     np.testing.assert_allclose(tta, tta_of_mirror, rtol=1e-5, atol=1e-6)  # symmetric
     assert not np.allclose(tta, plain)
     np.testing.assert_allclose(
-        tta, (plain + step.predict_logits(model, tf.reverse(images, axis=[2]))) / 2,
+        tta, (plain + plain_task.predict(model, tf.reverse(images, axis=[2]))) / 2,
         rtol=1e-5, atol=1e-6)
 
 
@@ -272,10 +268,9 @@ def test_a_step_option_without_a_config_field_is_an_error():
 
 def test_step_options_take_every_same_named_config_field():
     from trainer.config import Config
-    config = Config(batch_size=64, clip_grad_norm=2.0, grad_accum_steps=4,
-                    label_smoothing=0.1, tta_flip=True, aux_loss_weight=0.5)
-    options = step.StepOptions.from_config(config, confusion_classes=10)
-    assert options == step.StepOptions(batch_size=64, label_smoothing=0.1,
-                                       clip_grad_norm=2.0, grad_accum_steps=4,
-                                       aux_loss_weight=0.5, tta_flip=True,
-                                       confusion_classes=10)
+    config = Config(batch_size=64, clip_grad_norm=2.0, grad_accum_steps=4, sam_rho=0.05,
+                    lookahead_every=5)
+    options = step.StepOptions.from_config(config, total_steps=100)
+    assert options == step.StepOptions(batch_size=64, clip_grad_norm=2.0,
+                                       grad_accum_steps=4, sam_rho=0.05,
+                                       lookahead_every=5, total_steps=100)

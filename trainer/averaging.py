@@ -56,15 +56,17 @@ def averaged_weights(optimizer: keras.optimizers.Optimizer):
 
 def evaluate_raw_and_averaged(evaluate: Callable[[], dict],
                               optimizer: keras.optimizers.Optimizer) -> dict:
-    """`evaluate()` of the averaged weights, plus `*_raw` keys for the raw ones, so
-    a run shows what the averaging gained. Without averaging: `evaluate()`."""
+    """`evaluate()` of the averaged weights, plus `test_<metric>_raw` for the raw
+    ones' scalar metrics, so a run shows what the averaging gained. Without
+    averaging: `evaluate()`."""
     if not enabled(optimizer):
         return evaluate()
     raw = evaluate()
     with averaged_weights(optimizer):
         averaged = evaluate()
-    return {**averaged, "test_accuracy_raw": raw["test_accuracy"],
-            "test_loss_raw": raw["test_loss"]}
+    return {**averaged, **{f"{key}_raw": value for key, value in raw.items()
+                           if key.startswith("test_") and key != "test_examples"
+                           and isinstance(value, float)}}
 
 
 # --- Lookahead (airbench's scheduled averaging) -------------------------------------

@@ -20,7 +20,7 @@ RUN_CONFIG = "run_config.json"
 # What the checkpoint's variables depend on: another value would restore wrong
 # slots (Keras numbers the optimizer's variables; the EMA's come first). Unset and
 # empty are the same (runs older than a setting saved none).
-_MUST_MATCH = ("model", "model_size", "dataset", "optimizer", "model_options")
+_MUST_MATCH = ("task", "model", "model_size", "dataset", "optimizer", "model_options")
 # Settings whose on/off (> 0 or not) decides whether their variables exist.
 _MUST_MATCH_ON = ("ema_decay", "lookahead_every")
 
@@ -61,8 +61,7 @@ def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True) -
             raise CheckpointError(f"{path} is not valid JSON ({err}); restore it, or use "
                                   f"another --model_dir") from err
         for key, now, before in [
-                *((k, run_config.get(k) or None, previous.get(k) or None)
-                  for k in _MUST_MATCH),
+                *((k, _value(run_config, k), _value(previous, k)) for k in _MUST_MATCH),
                 *((f"{k} > 0", bool(run_config.get(k)), bool(previous.get(k)))
                   for k in _MUST_MATCH_ON)]:
             if now != before:
@@ -75,6 +74,13 @@ def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True) -
         with tf.io.gfile.GFile(tmp, "w") as f:
             json.dump(run_config, f, indent=2, sort_keys=True)
         tf.io.gfile.rename(tmp, path, overwrite=True)
+
+
+def _value(run_config: dict, key: str):
+    """A run_config.json value; unset and empty are the same (runs from before a
+    setting existed saved none: their task was classification)."""
+    value = run_config.get(key) or None
+    return value or ("classification" if key == "task" else None)
 
 
 def training_checkpoint(model, optimizer) -> tf.train.Checkpoint:

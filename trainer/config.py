@@ -2,8 +2,10 @@
 
 Every field carries its flag's help text: trainer/main.py declares one absl flag
 per field from it, so a new setting is one field here (and its use where it
-matters, e.g. `trainer/step.py`). Commands parse the flags in their own `main` and
-call `resolve`; library code below takes this object or plain values.
+matters, e.g. `trainer/step.py`). The run's task has settings of its own, declared
+in its file (trainer/tasks/), made into flags the same way and kept in
+`Config.task_settings`. Commands parse the flags in their own `main` and call
+`resolve`; library code below takes this object or plain values.
 """
 import dataclasses
 import os
@@ -13,21 +15,13 @@ from typing import Any
 
 from data import augment as augment_lib, sources
 import models
-from trainer import optimizers, recipes, schedules
+from trainer import optimizers, recipes, schedules, tasks
+from trainer.settings import ConfigError, check_range, setting as _  # noqa: F401
 
 STRATEGIES = ("auto", "tpu", "mirrored", "multi_worker", "one_device")
 PRECISIONS = ("auto", "float32", "mixed_bfloat16", "mixed_float16")
 JIT_CHOICES = ("auto", "true", "false")
 ON_NAN = ("stop", "skip_step")
-
-
-class ConfigError(ValueError):
-    """A bad setting; commands print its one-line message and exit with status 2."""
-
-
-def _(default: Any, help: str) -> Any:  # noqa: A002 (absl's word for it)
-    """A Config field with its flag's help text."""
-    return dataclasses.field(default=default, metadata={"help": help})
 
 
 def _choices(names) -> str:
@@ -39,6 +33,9 @@ class Config:
     """Everything that defines a run. Defaults are the seed's CIFAR-10 recipe; each
     model's recipe (trainer/recipes.py) overrides them, flags override both."""
     # --- what to train, on what ---
+    task: str = _("classification", f"What the run optimizes and measures: "
+                  f"{_choices(tasks.names())} (trainer/tasks/; each has its own "
+                  "settings and recipe).")
     model: str = _("cifar_cnn", f"Model: {_choices(models.names())}.")
     model_size: str = _("full", "full|tiny (tiny: the small test variant).")
     model_options: str = _("", "The model builder's own options, 'name=value,...' (e.g. "
@@ -63,9 +60,13 @@ class Config:
     batch_size: int = _(1024, "GLOBAL batch size, split evenly across all replicas.")
     epochs: int = _(50, "Epochs to train (see --train_steps).")
     train_steps: int = _(0, "If > 0: steps to train, overriding --epochs.")
-    optimizer: str = _("adam", f"{_choices(optimizers.NAMES)} (sgd uses Nesterov momentum).")
+    optimizer: str = _("adam", f"Any optimizer Keras ships: {_choices(optimizers.names())} "
+                       "(sgd uses Nesterov momentum --momentum).")
+    optimizer_options: str = _("", "The optimizer's own constructor arguments, "
+                               "'name=value,...' (e.g. 'beta_1=0.95,epsilon=1e-7' for "
+                               "adam, 'nesterov=false' for sgd).")
     learning_rate: float = _(1e-3, "Peak learning rate.")
-    momentum: float = _(0.9, "Momentum for sgd.")
+    momentum: float = _(0.9, "Momentum for sgd (other optimizers: --optimizer_options).")
     lr_schedule: str = _("constant", f"{_choices(schedules.KINDS)}, each after a linear "
                          "warmup (rampup: the flowers codelab's ramp-up/sustain/decay).")
     warmup_epochs: float = _(0.0, "Linear warmup from --min_learning_rate to the peak.")
@@ -80,25 +81,19 @@ class Config:
                             "(e.g. '*/beta=64': batch-norm biases x64, as airbench; "
                             "weight decay is not multiplied).")
     # --- the training step (read in trainer/step.py) ---
-    label_smoothing: float = _(0.0, "Mix the one-hot target with uniform by this "
-                               "weight (0: off).")
     clip_grad_norm: float = _(0.0, "Clip the global norm of the gradient summed over "
                               "all replicas to this value (0: off).")
     grad_accum_steps: int = _(1, "Split each replica's batch into this many "
                               "micro-batches and add their gradients: one update per "
                               "step, less memory (the per-replica batch must divide).")
-    aux_loss_weight: float = _(0.3, "Weight of the loss on a model's `aux_logits` "
-                               "output, if it has one.")
+    sam_rho: float = _(0.0, "Sharpness-aware minimization: take the gradient again at "
+                       "the weights moved this far uphill along the summed gradient, "
+                       "and apply that one (two passes a step; 0: off).")
     mixup_alpha: float = _(0.0, "Mixup: blend pairs of training images and their "
                            "targets with a Beta(alpha, alpha) weight (0: off).")
     cutmix_alpha: float = _(0.0, "CutMix: paste a box of another training image, "
                             "targets mixed by area, Beta(alpha, alpha) (0: off). With "
                             "mixup too, each batch uses one of the two at random.")
-    tta_flip: bool = _(False, "Evaluate on each test image and its mirror image, "
-                       "averaging the logits.")
-    tta_translate: bool = _(False, "Also evaluate on the image shifted one pixel up-left "
-                            "and down-right (reflect-padded; with --tta_flip, airbench's "
-                            "6-view multi-crop), half the weight to the shifted views.")
     lookahead_every: int = _(0, "Lookahead (airbench): every N steps move slow weights "
                              "towards the weights by (1 - decay) and set the weights to "
                              "them; decay = lookahead_decay^N * (step/total)^3; at the "
@@ -153,31 +148,69 @@ class Config:
                            "Profile tab); summarise it with python -m "
                            "trainer.tools.profile_summary.")
 
+    # --- the task's own settings (not a flag: its fields are, see trainer/tasks/) ---
+    task_settings: dict = dataclasses.field(default_factory=dict)
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
 
+    def with_settings(self, **settings: Any) -> "Config":
+        """The same run with some of its task's settings changed."""
+        return self.replace(task_settings={**self.task_settings, **settings})
 
-def default_model_dir(model: str, dataset: str) -> str:
-    """runs/<model>_<dataset>; for TFRecords, the data folder's name (not its path)."""
+    def task_options(self) -> Any:
+        """The task's Settings (its defaults, overridden by task_settings)."""
+        return tasks.make_settings(self.task, self.task_settings)
+
+
+FLAG_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.name != "task_settings")
+
+
+def from_dict(values: dict) -> Config:
+    """The Config of a run_config.json, also of runs from before tasks had their
+    own settings (then classification's were top-level fields); keys no field has
+    any more are dropped."""
+    task = values.get("task", "classification")
+    known = tasks.setting_fields(task) if task in tasks.names() else {}
+    task_settings = {key: values[key] for key in known if key in values}
+    task_settings.update(values.get("task_settings") or {})
+    return Config(**{key: values[key] for key in FLAG_FIELDS if key in values},
+                  task_settings=task_settings)
+
+
+def default_model_dir(model: str, dataset: str, task: str = "classification") -> str:
+    """runs/<model>_<dataset>[_<task>] (no suffix for classification); for
+    TFRecords, the data folder's name (not its path)."""
     if dataset.startswith("tfrecord:"):
         pattern = dataset[len("tfrecord:"):].split(";")[0].rstrip("/")
         folder = pattern.rsplit("/", 2)[-2] if pattern.count("/") else "data"
         dataset = "tfrecord_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", folder)
-    return os.path.join("runs", f"{model}_{dataset}")
+    suffix = "" if task == "classification" else f"_{task}"
+    return os.path.join("runs", f"{model}_{dataset}{suffix}")
 
 
 def resolve(values: dict[str, Any], explicit: set[str]
             ) -> tuple[Config, dict[str, str]]:
-    """The Config of a command line's values: the model's recipe, then the values
-    given explicitly (`explicit`) over it. Returns (config, origin of each recipe
-    value), unvalidated."""
-    values, origin = recipes.resolve(values, explicit)
-    values["model_dir"] = values["model_dir"] or default_model_dir(values["model"],
-                                                                   values["dataset"])
-    return Config(**values), origin
+    """The Config of a command line's values (Config fields and every task's
+    settings): the task's recipe and the model's under the values given explicitly
+    (`explicit`). Returns (config, origin of each recipe value), unvalidated but
+    for the task's settings (a ConfigError if another task's is given)."""
+    tasks.get(values["task"])  # a ConfigError listing the tasks if unknown
+    values, origin = recipes.resolve(values, explicit, tasks.get(values["task"]).recipe)
+    mine = tasks.setting_fields(values["task"])
+    for name in tasks.all_setting_fields():
+        if name in explicit and name not in mine:
+            tasks.make_settings(values["task"], {name: values[name]})  # raises
+    task_settings = {name: values[name] for name in mine if name in values}
+    values["model_dir"] = values["model_dir"] or default_model_dir(
+        values["model"], values["dataset"], values["task"])
+    config = Config(**{name: values[name] for name in FLAG_FIELDS},
+                    task_settings=task_settings)
+    config.task_options()  # the task's own checks
+    return config, origin
 
 
 def profile_range(text: str) -> tuple[int, int]:
@@ -206,12 +239,13 @@ def _check_positive(name: str, value: float, allow_zero: bool = False) -> None:
 
 def validate(config: Config, model_names, dataset_names) -> Config:
     """Cheap checks done before any heavy work. Raises ConfigError. (That the batch
-    divides by the replicas is checked once the strategy exists: loop.Plan.)"""
+    divides by the replicas is checked once the strategy exists: build.Plan.)"""
     _check_choice("model", config.model, model_names)
     _check_choice("model_size", config.model_size, ("full", "tiny"))
     if not config.dataset.startswith("tfrecord:"):
         _check_choice("dataset", config.dataset, dataset_names)
-    _check_choice("optimizer", config.optimizer, optimizers.NAMES)
+    _check_choice("task", config.task, tasks.names())
+    _check_choice("optimizer", config.optimizer, optimizers.names())
     _check_choice("lr_schedule", config.lr_schedule, schedules.KINDS)
     _check_choice("precision", config.precision, PRECISIONS)
     _check_choice("strategy", config.strategy, STRATEGIES)
@@ -225,13 +259,10 @@ def validate(config: Config, model_names, dataset_names) -> Config:
     for name in ("epochs", "train_steps", "warmup_epochs", "weight_decay",
                  "sustain_epochs", "min_learning_rate", "log_every", "eval_every",
                  "checkpoint_every", "shuffle_buffer", "image_size", "clip_grad_norm",
-                 "aux_loss_weight", "mixup_alpha", "cutmix_alpha", "lookahead_every"):
+                 "mixup_alpha", "cutmix_alpha", "lookahead_every", "sam_rho"):
         _check_positive(name, getattr(config, name), allow_zero=True)
     if config.epochs == 0 and config.train_steps == 0:
         raise ConfigError("nothing to train: set --epochs or --train_steps above 0")
-    if not 0 <= config.label_smoothing < 1:
-        raise ConfigError(f"--label_smoothing must be in [0, 1), got "
-                          f"{config.label_smoothing}")
     if not 0 <= config.ema_decay < 1:
         raise ConfigError(f"--ema_decay must be in [0, 1) (0: no averaging), got "
                           f"{config.ema_decay}")
@@ -245,6 +276,15 @@ def validate(config: Config, model_names, dataset_names) -> Config:
                           f"{' or '.join(augment_lib.NO_FLIP)}")
     if config.profile_steps:
         profile_range(config.profile_steps)  # raises if malformed
+    task = tasks.get(config.task)
+    if (config.mixup_alpha or config.cutmix_alpha) and not task.soft_targets:
+        raise ConfigError(f"--mixup_alpha/--cutmix_alpha mix labels into soft targets; "
+                          f"task {config.task} does not train on them (drop the flags)")
+    try:
+        optimizers.parse_options(config.optimizer, config.optimizer_options)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    config.task_options()
     if not 0 < config.lr_decay_rate <= 1:
         raise ConfigError(f"--lr_decay_rate must be in (0, 1], got {config.lr_decay_rate}")
     if config.require_tpu and config.strategy not in ("auto", "tpu"):

@@ -23,15 +23,12 @@ from trainer import cli
 cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 
 from absl import app, flags, logging  # noqa: E402
-import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from data import sources  # noqa: E402
-import models  # noqa: E402
-from trainer import averaging, checkpoints, distributed, evaluation, inputs  # noqa: E402
-from trainer import loop, main as main_lib, optimizers, step  # noqa: E402
+from trainer import averaging, build, checkpoints, distributed, evaluation  # noqa: E402
+from trainer import config as config_lib, inputs, main as main_lib  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
-from trainer.config import Config  # noqa: E402
 from trainer.output import progress as progress_lib, summaries  # noqa: E402
 from trainer.output import recorder as recorder_lib  # noqa: E402
 
@@ -55,7 +52,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
 
 
 class Evaluator:
-    """The run's model and evaluation, built once; evaluate(path) per checkpoint."""
+    """The run's model and evaluation, built once (trainer/build.py, as training
+    builds them); evaluate(path) per checkpoint."""
 
     def __init__(self, model_dir: str, data_dir: str | None = None):
         path = os.path.join(model_dir, checkpoints.RUN_CONFIG)
@@ -63,34 +61,25 @@ class Evaluator:
             raise checkpoints.CheckpointError(
                 f"{path} not found: --model_dir must be a training run's directory")
         with tf.io.gfile.GFile(path) as f:
-            config = Config(**json.load(f))
+            config = config_lib.from_dict(json.load(f))
         self.config = config = config.replace(data_dir=data_dir or config.data_dir)
         runtime = strategy_lib.create("one_device")  # the evaluator's own device
         self.strategy = strategy = runtime.strategy
         precision = strategy_lib.resolve_precision(config.precision, runtime.device_kind,
                                                    config.deterministic)
-        keras.mixed_precision.set_global_policy(precision)
         spec = sources.get_spec(config.dataset)
-        self.plan = plan = loop.Plan.make(config, *loop.counts(config, spec), 1)
+        self.plan = build.plan(config, spec, 1)
+        # The weights come from the checkpoints; a teacher is not needed to evaluate.
+        self.run = run = build.build_run(config, spec, self.plan, strategy, precision,
+                                         training=False)
+        # The optimizer only for --ema_decay, whose average lives in it (its other
+        # state, e.g. a GPU run's loss scale, is not needed here).
+        self.optimizer = run.optimizer if config.ema_decay else None
         with strategy.scope():
-            self.model = models.build(config.model, spec.num_classes,
-                                      inputs.image_shape(config, spec),
-                                      tiny=config.model_size == "tiny",
-                                      options=config.model_options)
-            # The optimizer only for --ema_decay, whose average lives in it (its
-            # other state, e.g. a GPU run's loss scale, is not needed here).
-            self.optimizer = optimizers.create(
-                config.optimizer, loop.make_schedule(config, plan),
-                self.model.trainable_variables, config.weight_decay, config.momentum,
-                "float32", config.ema_decay) if config.ema_decay else None
             self.checkpoint = tf.train.Checkpoint(
-                model=self.model, **({"optimizer": self.optimizer} if self.optimizer
-                                     else {}))
-        options = step.StepOptions.from_config(config, confusion_classes=(
-            spec.num_classes if spec.num_classes <= evaluation.MAX_CONFUSION_CLASSES else 0))
-        model = self.model
-        self.eval_loop = distributed.make_eval_loop(
-            strategy, lambda batch: step.eval_step(model, batch, options))
+                model=run.model, **({"optimizer": self.optimizer} if self.optimizer
+                                    else {}))
+        self.eval_loop = distributed.make_eval_loop(strategy, run.eval_step)
         self.eval_dataset = strategy.distribute_datasets_from_function(
             inputs.eval_input_fn(config, spec))
 
@@ -104,13 +93,13 @@ class Evaluator:
                 f"{checkpoint_path} does not fit the run's model "
                 f"({str(err).splitlines()[0][:160]})") from err
         evaluate = lambda: evaluation.evaluate(  # noqa: E731
-            self.eval_loop, self.eval_dataset, self.plan.eval_steps)
+            self.eval_loop, self.eval_dataset, self.plan.eval_steps, self.run.task)
         result = (averaging.evaluate_raw_and_averaged(evaluate, self.optimizer)
                   if self.optimizer else evaluate())
         step_number = int(checkpoint_path.rsplit("-", 1)[-1])
         return {"step": step_number, "epoch": step_number / self.plan.steps_per_epoch,
                 "checkpoint": os.path.basename(checkpoint_path),
-                **{k: v for k, v in result.items() if k != "confusion"}}
+                **{k: v for k, v in result.items() if isinstance(v, (int, float))}}
 
 
 def _run_done(model_dir: str) -> bool:
@@ -144,12 +133,14 @@ def evaluate_checkpoints(model_dir: str, output_dir: str, checkpoint: str | None
             # Deleted by the trainer's max_to_keep meanwhile, or unreadable: skip it.
             logging.warning("skipped %s: %s", path, str(err).splitlines()[0][:200])
             return
-        logging.info("%s (step %d, epoch %.2f): test loss %.4f  test accuracy %.4f  "
-                     "(%d examples)", result["checkpoint"], result["step"],
-                     result["epoch"], result["test_loss"], result["test_accuracy"],
+        logging.info("%s (step %d, epoch %.2f): %s  (%d examples)", result["checkpoint"],
+                     result["step"], result["epoch"], "  ".join(
+                         f"{key.replace('_', ' ', 1)} {value:.4f}"
+                         for key, value in result.items()
+                         if key.startswith("test_") and isinstance(value, float)),
                      result["test_examples"])
         records.append(result)
-        writer.eval(result, {}, ())
+        writer.eval(result)
         progress_lib.write_json(os.path.join(output_dir, EVALUATIONS_FILE),
                                 {"model_dir": model_dir, "evaluations": records})
 

@@ -1,6 +1,6 @@
-"""One evaluation: loss and accuracy over the whole eval split (the distributed eval
-loop), its confusion matrix, and predictions on a fixed handful of test images for
-the pictures (TensorBoard, summary.png)."""
+"""One evaluation: the task's metrics over the whole eval split (the distributed
+eval loop), and its predictions on a fixed handful of test examples for the
+pictures (TensorBoard, summary.png)."""
 import numpy as np
 import tensorflow as tf
 
@@ -8,45 +8,40 @@ from data import sources
 from trainer import distributed
 from trainer.serving import inference
 
-NUM_SAMPLES = 20           # test images in the prediction grids
-MAX_CONFUSION_CLASSES = 100  # beyond this a confusion picture is unreadable anyway
+NUM_SAMPLES = 20           # test examples in the prediction pictures
 
 
 def load_samples(spec: sources.DatasetSpec, image_size: int, data_dir: str | None,
                  download: bool, count: int = NUM_SAMPLES) -> dict:
-    """The first `count` eval images: uint8 at the model's size (for display) and
-    labels. The same images every evaluation and every run."""
+    """The first `count` eval examples, the same every evaluation and every run:
+    "image" uint8 at the model's size (for display and prediction) and what else
+    the source gives ("label")."""
     ds, available = sources.load(spec, spec.eval_split, data_dir, download)
-    count = min(count, available)
     images, labels = [], []
-    for image, label in ds.take(count):
+    for image, label in ds.take(min(count, available)):
         images.append(inference.resize_uint8(image, image_size))
         labels.append(int(label))
-    return {"images": np.stack(images), "labels": np.array(labels)}
+    return {"image": np.stack(images), "label": np.array(labels)}
 
 
-def predict_samples(model, samples: dict, spec: sources.DatasetSpec,
-                    tta: dict | None = None) -> dict:
-    """samples + the model's predicted class and its probability per image (an eager
-    call on this worker alone: no collective, so the chief may do it by itself)."""
-    probabilities = inference.class_probabilities(model, samples["images"], spec,
-                                                  tta)
-    return {**samples, "predictions": probabilities.argmax(-1),
-            "confidence": probabilities.max(-1)}
-
-
-def evaluate(eval_loop, eval_dataset, eval_steps: int, model=None,
-             samples: dict | None = None, spec: sources.DatasetSpec | None = None,
-             tta: dict | None = None) -> dict:
-    """`test_<name>` for every scalar metric of the eval step, `test_examples`,
-    `confusion` (counts, rows = true class) if the step makes one, and `samples`
-    with predictions if given."""
+def evaluate(eval_loop, eval_dataset, eval_steps: int, task, model=None,
+             samples: dict | None = None) -> dict:
+    """`test_<name>` for every scalar metric of the task's eval step,
+    `test_examples` (the weight of its loss), every non-scalar metric under its
+    name (e.g. `confusion_matrix`: counts stay integers), and `samples` with the
+    task's predictions if given."""
     sums = tf.nest.map_structure(lambda t: t.numpy(), eval_loop(iter(eval_dataset),
                                                                 tf.constant(eval_steps)))
+    if "loss" not in sums:
+        raise distributed.StepContractError(
+            f"task {task.name}'s eval_metrics returned {sorted(sums)}, without 'loss' "
+            f"(its weight counts the examples evaluated)")
     result = {f"test_{key}": value for key, value in distributed.means(sums).items()}
     result["test_examples"] = int(round(float(sums["loss"][1])))
-    if "confusion" in sums:
-        result["confusion"] = np.rint(sums["confusion"][0]).astype(np.int64)
+    for key, (total, _) in sums.items():
+        if np.size(total) > 1:
+            rounded = np.rint(total)
+            result[key] = rounded.astype(np.int64) if np.allclose(total, rounded) else total
     if samples is not None:
-        result["samples"] = predict_samples(model, samples, spec, tta)
+        result["samples"] = task.sample_predictions(model, samples)
     return result

@@ -3,20 +3,21 @@ FLOPs per training image of a model (counted once, from its forward graph) and t
 device's measured matmul peak. The loop shows their product with the image rate as
 GFLOP/s in every log line; trainer.tools.benchmark compares them side by side."""
 import time
+from typing import Callable
 
+import keras
 import tensorflow as tf
 
-import models
 
-
-def training_flops_per_image(model_name: str, num_classes: int, shape: tuple[int, ...],
-                             tiny: bool = False, options: str = "") -> float:
+def training_flops_per_image(make_model: Callable[[], keras.Model],
+                             shape: tuple[int, ...]) -> float:
     """3 x the forward pass's float ops (the backward pass is about twice the
-    forward), counted by TF's profiler on the frozen inference graph at batch 1.
-    Multiply-adds count 2, as in the speed records' FLOP counts."""
+    forward) of a fresh model from `make_model` (the run's own builder), counted
+    by TF's profiler on the frozen inference graph at batch 1. Multiply-adds count
+    2, as in the speed records' FLOP counts."""
     from tensorflow.python.framework import convert_to_constants
     from tensorflow.python.util import deprecation
-    model = models.build(model_name, num_classes, shape, tiny=tiny, options=options)
+    model = make_model()
     forward = tf.function(lambda x: model(x, training=False)).get_concrete_function(
         tf.TensorSpec((1, *shape), tf.float32))
     graph = convert_to_constants.convert_variables_to_constants_v2(forward).graph

@@ -4,7 +4,6 @@ then the final outputs. The math of one step is trainer/step.py; running it on
 every replica is trainer/distributed.py.
 """
 import contextlib
-import dataclasses
 import os
 import sys
 from typing import IO
@@ -13,10 +12,9 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from data import pipeline, sources
-import models
-from trainer import averaging, checkpoints, distributed, evaluation, faults, flops
-from trainer import inputs, optimizers, schedules, step
+from data import sources
+from trainer import averaging, build, checkpoints, distributed, evaluation, faults
+from trainer import flops, inputs, schedules
 from trainer import strategy as strategy_lib
 from trainer import config as config_lib
 from trainer.config import Config, ConfigError
@@ -25,82 +23,11 @@ from trainer.output import progress as progress_lib
 from trainer.serving import inference
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Sizes derived from the config, the data and the replica count."""
-    train_examples: int
-    eval_examples: int
-    steps_per_epoch: int
-    total_steps: int
-    eval_steps: int
-    per_replica_batch: int
-
-    @classmethod
-    def make(cls, config: Config, train_examples: int, eval_examples: int,
-             num_replicas: int) -> "Plan":
-        # The one place the batch is checked against the replicas.
-        if config.batch_size % num_replicas:
-            raise ConfigError(f"--batch_size={config.batch_size} does not divide by the "
-                              f"{num_replicas} replicas; use a multiple of {num_replicas}")
-        per_replica = config.batch_size // num_replicas
-        if per_replica % config.grad_accum_steps:
-            raise ConfigError(f"the per-replica batch {per_replica} does not divide into "
-                              f"--grad_accum_steps={config.grad_accum_steps} micro-batches; "
-                              f"use a batch size that is a multiple of "
-                              f"{num_replicas * config.grad_accum_steps}")
-        steps_per_epoch = train_examples // config.batch_size
-        if steps_per_epoch == 0:
-            raise ConfigError(f"--batch_size={config.batch_size} is larger than the "
-                              f"{train_examples} training examples; lower it")
-        total = config.train_steps or config.epochs * steps_per_epoch
-        return cls(train_examples, eval_examples, steps_per_epoch, total,
-                   pipeline.eval_steps(eval_examples, config.batch_size), per_replica)
-
-
-def make_schedule(config: Config, plan: Plan) -> schedules.WarmupSchedule:
-    return schedules.WarmupSchedule(
-        config.lr_schedule, config.learning_rate, plan.total_steps, plan.steps_per_epoch,
-        warmup_steps=round(config.warmup_epochs * plan.steps_per_epoch),
-        decay_rate=config.lr_decay_rate,
-        sustain_steps=round(config.sustain_epochs * plan.steps_per_epoch),
-        floor=config.min_learning_rate)
-
-
-def build_model(config: Config, spec: sources.DatasetSpec) -> keras.Model:
-    """The run's model (fresh weights, or --weights); call under the strategy's scope."""
-    return models.build(config.model, spec.num_classes, inputs.image_shape(config, spec),
-                        tiny=config.model_size == "tiny", weights=config.weights,
-                        options=config.model_options)
-
-
-def build_optimizer(config: Config,
-                    schedule: keras.optimizers.schedules.LearningRateSchedule | float,
-                    model: keras.Model,
-                    precision: str = "float32") -> keras.optimizers.Optimizer:
-    """The run's optimizer, built, with its learning-rate multipliers and, with
-    --lookahead_every, the Lookahead's slow weights; call under the strategy's
-    scope, after any initialisation of the weights."""
-    optimizer = optimizers.create(config.optimizer, schedule, model.trainable_variables,
-                                  config.weight_decay, config.momentum, precision,
-                                  config.ema_decay, config.lr_multipliers)
-    if config.lookahead_every:
-        averaging.add_lookahead(optimizer, model.trainable_variables
-                                + step.moving_statistics(model))
-    return optimizer
-
-
-def counts(config: Config, spec: sources.DatasetSpec) -> tuple[int, int]:
-    """(training examples, evaluation examples)."""
-    return tuple(sources.load(spec, split, config.data_dir, config.download_data)[1]
-                 for split in (spec.train_split, spec.eval_split))
-
-
 def plot_schedule(config: Config) -> str:
     """Writes the run's learning-rate schedule to model_dir/lr_schedule.png (the
     data is only counted, nothing is trained); returns the path."""
-    plan = Plan.make(config, *counts(config, sources.get_spec(config.dataset)),
-                     num_replicas=config.cpu_replicas)
-    schedule = make_schedule(config, plan)
+    plan = build.plan(config, sources.get_spec(config.dataset), config.cpu_replicas)
+    schedule = build.make_schedule(config, plan)
     tf.io.gfile.makedirs(config.model_dir)
     path = os.path.join(config.model_dir, "lr_schedule.png")
     with tf.io.gfile.GFile(path, "wb") as f:
@@ -148,7 +75,6 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     jit = strategy_lib.resolve_jit(config.jit_compile, runtime.device_kind,
                                  runtime.num_replicas)
     is_chief, task_id = strategy_lib.worker_role(strategy)
-    checkpoints.prepare_model_dir(config.model_dir, config.as_dict(), is_chief)
     keras.mixed_precision.set_global_policy(precision)
     keras.utils.set_random_seed(config.seed)
     if config.deterministic:
@@ -156,39 +82,29 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
 
     # --- How much data, how many steps ----------------------------------------------
     spec = sources.get_spec(config.dataset)
-    if is_chief:  # so that predict and export work without the data files
-        inference.keep_dataset_description(config.dataset, config.model_dir)
-    plan = Plan.make(config, *counts(config, spec), runtime.num_replicas)
+    plan = build.plan(config, spec, runtime.num_replicas)
     profile = (config_lib.profile_range(config.profile_steps) if config.profile_steps
                else ())
     if profile and profile[1] > plan.total_steps:
         raise ConfigError(f"--profile_steps={config.profile_steps}: the run has "
                           f"{plan.total_steps} steps; profile steps within it")
 
-    # --- Model, optimizer and checkpoint, created under the strategy ---------------
+    # --- Task, model, optimizer and checkpoint, built under the strategy ------------
+    # (trainer/build.py, as every command builds them; a task that does not fit the
+    # model or the data stops here, before anything is written to model_dir)
+    run = build.build_run(config, spec, plan, strategy, precision)
+    task, model, optimizer, schedule = run.task, run.model, run.optimizer, run.schedule
+    checkpoints.prepare_model_dir(config.model_dir, config.as_dict(), is_chief)
+    if is_chief:  # so that predict and export work without the data files
+        inference.keep_dataset_description(config.dataset, config.model_dir)
     with strategy.scope():
-        try:
-            model = build_model(config, spec)
-            # Layers set from the data, e.g. airbench's patch whitening (a resumed run
-            # then restores them from the checkpoint, like every weight; --weights
-            # brought them already).
-            if models.needs_data(model) and config.weights == "none":
-                models.init_from_data(model, inputs.init_images(config, spec))
-            schedule = make_schedule(config, plan)  # a function of optimizer.iterations
-            optimizer = build_optimizer(config, schedule, model, precision)
-        except ValueError as err:  # bad weights file, image too small, bad option
-            raise ConfigError(str(err)) from err
         checkpoint = checkpoints.training_checkpoint(model, optimizer)
-    step_options = step.StepOptions.from_config(
-        config, total_steps=plan.total_steps,
-        confusion_classes=(spec.num_classes if spec.num_classes <=
-                           evaluation.MAX_CONFUSION_CLASSES else 0))
     progress_lib.log_setup(config, spec, runtime, plan, precision, jit, schedule, model,
-                           step_options)
+                           run.step_options)
     # The step's arithmetic, counted once, for the GFLOP/s of every log line.
     flops_per_image = flops.training_flops_per_image(
-        config.model, spec.num_classes, inputs.image_shape(config, spec),
-        config.model_size == "tiny", config.model_options)
+        lambda: build.build_model(config, spec, task, weights="none"),
+        inputs.image_shape(config, spec))
     peak = (flops.run_peak_flops(precision, strategy, runtime.device_kind)
             if config.measure_peak else 0.0)
     logging.info("%.0f MFLOP per training image%s", flops_per_image / 1e6,
@@ -217,18 +133,15 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
 
     # --- The step on every replica ---------------------------------------------------
     wrap_jit = jit and runtime.device_kind != "tpu"  # a TPU compiles the whole loop
-    train_loop = distributed.make_train_loop(
-        strategy, lambda batch: step.train_step(model, optimizer, batch, step_options),
-        wrap_jit)
-    eval_loop = distributed.make_eval_loop(
-        strategy, lambda batch: step.eval_step(model, batch, step_options), wrap_jit)
+    train_loop = distributed.make_train_loop(strategy, run.train_step, wrap_jit)
+    eval_loop = distributed.make_eval_loop(strategy, run.eval_step, wrap_jit)
 
     def evaluate() -> dict:
         """The evaluated weights' metrics (the average with --ema_decay, and then
-        the raw weights' accuracy too)."""
+        the raw weights' metrics too)."""
         return averaging.evaluate_raw_and_averaged(
-            lambda: evaluation.evaluate(eval_loop, eval_dataset, plan.eval_steps, model,
-                                        samples, spec, step.tta_of(config)), optimizer)
+            lambda: evaluation.evaluate(eval_loop, eval_dataset, plan.eval_steps, task,
+                                        model, samples), optimizer)
 
     # --- What people see --------------------------------------------------------------
     display = display or sys.stderr
@@ -237,24 +150,22 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     progress = progress_lib.Progress(plan.total_steps, plan.steps_per_epoch,
                                      config.batch_size, start_step, bars,
                                      flops_per_image, peak)
-    recorder = recorder_lib.Recorder(config.model_dir, is_chief, start_step,
-                                     spec.class_names, f"{config.model} on {config.dataset}")
+    recorder = recorder_lib.Recorder(config.model_dir, is_chief, start_step, task,
+                                     f"{config.model} on {config.dataset}")
     wall = progress_lib.Stopwatch()
     multi_worker = strategy_lib.is_multi_worker(strategy)
 
     def record_evaluation(at_step: int) -> None:
-        best_before = recorder.best().get("best_test_accuracy", -1.0)
         result = evaluate()
-        raw = (f"  (raw weights: {result['test_accuracy_raw']:.4f})"
-               if "test_accuracy_raw" in result else "")
-        logging.info("eval at step %d (epoch %.2f): test loss %.4f  test accuracy %.4f%s"
-                     "  (%d examples)", at_step, at_step / plan.steps_per_epoch,
-                     result["test_loss"], result["test_accuracy"], raw,
-                     result["test_examples"])
-        recorder.eval({"step": at_step, "epoch": at_step / plan.steps_per_epoch,
-                       "wall_seconds": wall.elapsed(),
-                       "train_seconds": progress.train_seconds, **result})
-        if is_chief and result["test_accuracy"] > best_before:  # keep the best weights
+        scalars = "  ".join(f"{key.replace('_', ' ', 1)} {value:.4f}"
+                            for key, value in result.items()
+                            if key.startswith("test_") and isinstance(value, float))
+        logging.info("eval at step %d (epoch %.2f): %s  (%d examples)", at_step,
+                     at_step / plan.steps_per_epoch, scalars, result["test_examples"])
+        record = recorder.eval({"step": at_step, "epoch": at_step / plan.steps_per_epoch,
+                                "wall_seconds": wall.elapsed(),
+                                "train_seconds": progress.train_seconds, **result})
+        if is_chief and recorder.improved(record):  # keep the best weights
             with averaging.averaged_weights(optimizer):  # (those just evaluated)
                 model.save_weights(os.path.join(config.model_dir,
                                                 inference.BEST_WEIGHTS_FILE))
@@ -336,7 +247,7 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
             "steps": current, "epochs": current / plan.steps_per_epoch,
             "resumed_from_step": start_step, "skipped_steps": progress.skipped_steps,
             "weights_sha256": progress_lib.weights_checksum(model),
-            "model": config.model, "dataset": config.dataset,
+            "task": config.task, "model": config.model, "dataset": config.dataset,
             "strategy": runtime.name, "replicas": runtime.num_replicas,
             "device": runtime.device_kind, "precision": precision, "jit_compile": jit,
             "global_batch_size": config.batch_size,
@@ -346,8 +257,8 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
             model.save_weights(os.path.join(config.model_dir, inference.WEIGHTS_FILE))
     metrics = recorder.finish(metrics, schedules.sample_points(schedule, 200),
                               plan.steps_per_epoch)
-    logging.info("Done: test accuracy %.4f on %d examples, %.1f s training, %.0f img/s",
-                 metrics["test_accuracy"], metrics["test_examples"],
+    logging.info("Done: %s on %d examples, %.1f s training, %.0f img/s",
+                 recorder.describe(metrics), metrics["test_examples"],
                  metrics["train_seconds"], metrics["images_per_second"])
     if multi_worker:  # leave together: the chief hosts the coordination service
         strategy.reduce(tf.distribute.ReduceOp.SUM,  # that the others still use

@@ -22,7 +22,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from data import sources  # noqa: E402
 import models  # noqa: E402
-from trainer import checkpoints, config as config_lib, faults, loop  # noqa: E402
+from trainer import checkpoints, config as config_lib, faults, loop, tasks  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -69,12 +69,20 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 # --- This command's flags: one per Config field -------------------------------------
 
+def _setting_fields() -> list[dataclasses.Field]:
+    """Every Config field that is a flag, then every task's settings."""
+    return [*(f for f in dataclasses.fields(config_lib.Config)
+              if f.name in config_lib.FLAG_FIELDS),
+            *tasks.all_setting_fields().values()]
+
+
 def define_flags() -> None:
     """The run's flags (also called by tests and trainer.check_step; defining twice
-    is a no-op): one per Config field, its default and help from the field."""
+    is a no-op): one per Config field and one per task setting, its default and
+    help from the field."""
     definers = {str: flags.DEFINE_string, int: flags.DEFINE_integer,
                 float: flags.DEFINE_float, bool: flags.DEFINE_bool}
-    for field in dataclasses.fields(config_lib.Config):
+    for field in _setting_fields():
         kind = type(field.default) if field.default is not None else str
         define_flag(FLAGS, definers[kind], field.name, field.default,
                     field.metadata["help"])
@@ -85,13 +93,15 @@ def define_flags() -> None:
 
 def config_from_flags(flag_values: flags.FlagValues = FLAGS) -> config_lib.Config:
     """The validated Config: the model's recipe, the flags given over it."""
-    names = [f.name for f in dataclasses.fields(config_lib.Config)]
+    names = [f.name for f in _setting_fields()]
     config, origin = config_lib.resolve(
         {name: flag_values[name].value for name in names},
         {name for name in names if flag_values[name].present})
     if origin:
+        values = {**config.as_dict(), **config.task_settings}
         logging.info("Recipe for %s: %s", config.model, ", ".join(
-            f"{name}={getattr(config, name)} ({source})" for name, source in origin.items()))
+            f"{name}={values[name]} ({source})" for name, source in origin.items()
+            if name in values))
     return config_lib.validate(config, models.names(), sources.names())
 
 

@@ -2,23 +2,39 @@
 
 The step (trainer/step.py) sums the gradients over replicas itself, where a reader
 sees it, so the optimizers made here apply the gradient they are given: Keras'
-own cross-replica sum inside `apply` is switched off (`_SummedGradients`).
+own cross-replica sum inside `apply` is switched off (`summed`, which wraps any
+Keras optimizer class). `--optimizer` takes every optimizer Keras ships, by its
+lower-case class name (`names()`), with its own constructor arguments settable
+through `--optimizer_options`. A plain Keras optimizer handed to `apply_or_skip`
+is refused with one line: on N replicas it would sum the summed gradient again.
 `optimizer.iterations` is the run's one step counter: the learning-rate schedule,
 the data position, checkpoints and logs all read it, and a skipped update still
 advances it (its batch was consumed).
 """
 import fnmatch
+import functools
+import inspect
 
 import keras
 import tensorflow as tf
 
-NAMES = ("adam", "adamw", "sgd")
+import models
+
+# Constructor arguments set from the run's own flags, or that would fight the step.
+_SET_BY_FLAGS = {"learning_rate": "the schedule (--learning_rate, --lr_schedule)",
+                 "weight_decay": "--weight_decay", "use_ema": "--ema_decay",
+                 "ema_momentum": "--ema_decay",
+                 "gradient_accumulation_steps": "--grad_accum_steps",
+                 "loss_scale_factor": "--precision=mixed_float16",
+                 "name": "the optimizer's class"}
+_NOT_OPTIMIZERS = ("Optimizer", "LossScaleOptimizer", "MultiOptimizer")
 
 
 class _SummedGradients:
     """Mixin for a Keras optimizer whose gradients arrive already summed over the
     replicas: without it, `apply` inside a replica context would all-reduce them a
-    second time (Keras 3 has no switch for this; the sum lives in one method).
+    second time (Keras 3 has no switch for this; the sum lives in one private
+    method, `_all_reduce_sum_gradients`, which tests/test_optimizers.py watches).
     Also: per-variable learning-rate multipliers (`set_lr_multipliers`)."""
 
     _lr_multipliers: tuple[float, ...] = ()  # by variable index; () for all 1
@@ -39,16 +55,46 @@ class _SummedGradients:
         return super().update_step(gradient, variable, learning_rate)
 
 
-class Adam(_SummedGradients, keras.optimizers.Adam):
-    pass
+def keras_optimizers() -> dict[str, type]:
+    """Every optimizer class Keras ships, by lower-case class name."""
+    return {name.lower(): cls for name, cls in vars(keras.optimizers).items()
+            if isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)
+            and name not in _NOT_OPTIMIZERS}
 
 
-class AdamW(_SummedGradients, keras.optimizers.AdamW):
-    pass
+def names() -> tuple[str, ...]:
+    return tuple(sorted(keras_optimizers()))
 
 
-class SGD(_SummedGradients, keras.optimizers.SGD):
-    pass
+@functools.cache
+def summed(cls: type) -> type:
+    """`cls` (a Keras optimizer class) applying the gradient it is given, without a
+    second cross-replica sum. Same name, so variable paths and checkpoints are
+    those of `cls`."""
+    if issubclass(cls, _SummedGradients):
+        return cls
+    return type(cls.__name__, (_SummedGradients, cls), {"__module__": __name__})
+
+
+def option_defaults(name: str) -> dict:
+    """The constructor arguments of optimizer `name` that --optimizer_options may
+    set, with their defaults."""
+    parameters = inspect.signature(keras_optimizers()[name].__init__).parameters
+    return {key: p.default for key, p in parameters.items()
+            if key not in ("self", "kwargs", *_SET_BY_FLAGS)
+            and p.default is not inspect.Parameter.empty}
+
+
+def parse_options(name: str, text: str) -> dict:
+    """'beta_1=0.95,epsilon=1e-7' -> constructor keyword arguments of optimizer
+    `name`, typed after the defaults. ValueError naming the flag if bad."""
+    for item in text.split(","):
+        key = item.partition("=")[0].strip()
+        if key in _SET_BY_FLAGS:
+            raise ValueError(f"--optimizer_options: {key} is set by "
+                             f"{_SET_BY_FLAGS[key]}, not here")
+    return models.parse_keyword_options(text, option_defaults(name),
+                                        "--optimizer_options", name)
 
 
 def parse_lr_multipliers(text: str) -> list[tuple[str, float]]:
@@ -89,27 +135,31 @@ def lr_multipliers(variables: list, pairs: list[tuple[str, float]]) -> list[floa
 
 def create(name: str, learning_rate, variables, weight_decay: float = 0.0,
            momentum: float = 0.9, precision: str = "float32",
-           ema_decay: float = 0.0, lr_multipliers_text: str = ""
-           ) -> keras.optimizers.Optimizer:
-    """Builds and *builds* the optimizer (slot variables exist before the first step).
+           ema_decay: float = 0.0, lr_multipliers_text: str = "",
+           options_text: str = "") -> keras.optimizers.Optimizer:
+    """Builds and *builds* the optimizer `name` (any of `names()`; slot variables
+    exist before the first step), wrapped by `summed`.
 
     Call inside `strategy.scope()`: Keras 3 optimizers must create their slots there,
     or the first distributed update fails (keras-team/keras#23085).
-    Weight decay is decoupled (AdamW style) and skips 1-D variables: biases and
-    batch-norm scales/offsets. ema_decay > 0 keeps a moving average of the weights
-    (see trainer/averaging.py).
+    sgd uses Nesterov momentum `momentum` (override: options_text
+    'nesterov=false'); other optimizers take their momentum-like arguments from
+    options_text ('beta_1=0.95', ...). Weight decay is decoupled (AdamW style) and
+    skips 1-D variables: biases and batch-norm scales/offsets. ema_decay > 0 keeps
+    a moving average of the weights (see trainer/averaging.py).
     """
-    decay = weight_decay or None
-    ema = dict(use_ema=ema_decay > 0, ema_momentum=ema_decay)
-    if name == "adam":
-        optimizer = Adam(learning_rate, weight_decay=decay, **ema)
-    elif name == "adamw":
-        optimizer = AdamW(learning_rate, weight_decay=weight_decay, **ema)
-    elif name == "sgd":
-        optimizer = SGD(learning_rate, momentum=momentum, nesterov=True,
-                        weight_decay=decay, **ema)
-    else:
-        raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(NAMES)}")
+    classes = keras_optimizers()
+    if name not in classes:
+        raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(names())}")
+    arguments = dict(use_ema=ema_decay > 0, ema_momentum=ema_decay)
+    if name == "adamw":  # its own default decay (0.004) would apply at --weight_decay=0
+        arguments["weight_decay"] = weight_decay
+    elif "weight_decay" in inspect.signature(classes[name].__init__).parameters:
+        arguments["weight_decay"] = weight_decay or None
+    if name == "sgd":
+        arguments.update(momentum=momentum, nesterov=True)
+    arguments.update(parse_options(name, options_text))
+    optimizer = summed(classes[name])(learning_rate, **arguments)
     if lr_multipliers_text:
         optimizer.set_lr_multipliers(
             lr_multipliers(variables, parse_lr_multipliers(lr_multipliers_text)))
@@ -144,6 +194,12 @@ def apply_or_skip(optimizer: keras.optimizers.Optimizer, gradients: list, variab
     halves at a skipped one, as Keras' LossScaleOptimizer does.
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if not isinstance(inner, _SummedGradients):
+        raise TypeError(
+            f"{type(inner).__name__} is a plain Keras optimizer: its apply() would sum "
+            f"the already-summed gradients over the replicas a second time; make it "
+            f"with trainer.optimizers.create({type(inner).__name__.lower()!r}, ...) or "
+            f"trainer.optimizers.summed(keras.optimizers.{type(inner).__name__})(...)")
 
     def update_loss_scale(apply):
         if inner is optimizer:

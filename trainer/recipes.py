@@ -63,18 +63,24 @@ RECIPES: dict[str, dict] = {
 }
 
 
-def resolve(values: dict, explicit: set[str]) -> tuple[dict, dict[str, str]]:
-    """Applies values[model]'s recipe under the explicit flags.
+def resolve(values: dict, explicit: set[str], task_recipe: dict | None = None
+            ) -> tuple[dict, dict[str, str]]:
+    """Applies the task's recipe (e.g. its model) and then values[model]'s recipe
+    under the explicit flags; the task's recipe wins over the model's.
 
-    Returns (values, origin) where origin[name] is "flag" or "recipe" for every
-    recipe key, for the log.
+    Returns (values, origin) where origin[name] is "flag", "task recipe" or
+    "recipe" for every recipe key, for the log.
     """
-    recipe = RECIPES.get(values["model"], {})
-    origin = {}
+    origin: dict[str, str] = {}
     resolved = dict(values)
-    for name, value in recipe.items():
+    for name, value in (task_recipe or {}).items():
         if name in explicit:
             origin[name] = "flag"
         else:
+            resolved[name], origin[name] = value, "task recipe"
+    for name, value in RECIPES.get(resolved["model"], {}).items():
+        if name in explicit:
+            origin[name] = "flag"
+        elif name not in origin and name in resolved:
             resolved[name], origin[name] = value, "recipe"
     return resolved, origin

@@ -1,6 +1,7 @@
 """Pictures of a run, drawn with matplotlib (headless): the learning-rate schedule,
-a grid of test predictions, a confusion matrix, and summary.png. Each function
-returns a Figure; `png_bytes` encodes one (for files and TensorBoard images)."""
+grids of images (a task draws its predictions with them), a confusion matrix, and
+summary.png. Each function returns a Figure or draws into one; `png_bytes` encodes
+one (for files and TensorBoard images)."""
 import io
 
 import matplotlib
@@ -30,38 +31,39 @@ def schedule(points: list[tuple[int, float]], steps_per_epoch: int,
     return fig
 
 
-def _draw_predictions(subfig, samples: dict, class_names, columns: int) -> None:
-    """Tiles of images titled 'predicted (p%)', green if right, red if wrong, with
-    the true class under the wrong ones."""
-    count = len(samples["labels"])
+def new_figure(samples_count: int, columns: int = 10) -> mpl_figure.Figure:
+    """An empty figure sized for a grid of `samples_count` image tiles."""
+    columns = min(columns, samples_count)
+    rows = -(-samples_count // columns)
+    return mpl_figure.Figure(figsize=(1.6 * columns, 1.8 * rows), layout="constrained")
+
+
+def image_grid(figure, images, titles, colors=None, columns: int = 10) -> None:
+    """Tiles of uint8 images [N, H, W, C] in a (sub)figure, each with its title (in
+    its color, default black)."""
+    count = len(images)
+    columns = min(columns, count)
     rows = -(-count // columns)
-    axes = np.atleast_1d(subfig.subplots(rows, columns)).ravel()
+    axes = np.atleast_1d(figure.subplots(rows, columns)).ravel()
     for ax in axes:
         ax.axis("off")
     for i in range(count):
-        label, predicted = int(samples["labels"][i]), int(samples["predictions"][i])
-        right = label == predicted
-        axes[i].imshow(np.asarray(samples["images"][i], np.uint8),
-                       interpolation="nearest")
-        title = f"{_name(class_names, predicted)} ({100 * samples['confidence'][i]:.0f}%)"
-        if not right:
-            title += f"\ntrue: {_name(class_names, label)}"
-        axes[i].set_title(title, fontsize=7, color=RIGHT if right else WRONG)
+        axes[i].imshow(np.asarray(images[i], np.uint8), interpolation="nearest")
+        axes[i].set_title(titles[i], fontsize=7,
+                          color=colors[i] if colors is not None else "black")
+
+
+def write_png(path: str, image) -> None:
+    """Writes a uint8 [H, W, C] image as a PNG file (and its folder), atomically."""
+    import os
+    import tensorflow as tf  # (only here: the figures need no TensorFlow)
+    from trainer.output import progress
+    tf.io.gfile.makedirs(os.path.dirname(path) or ".")
+    progress.write_atomically(path, tf.io.encode_png(np.asarray(image, np.uint8)).numpy())
 
 
 def _name(class_names, index: int) -> str:
     return class_names[index] if index < len(class_names) else str(index)
-
-
-def predictions(samples: dict, class_names, columns: int = 5,
-                title: str = "") -> mpl_figure.Figure:
-    """samples: images (uint8 [N, H, W, 3]), labels, predictions, confidence."""
-    rows = -(-len(samples["labels"]) // columns)
-    fig = mpl_figure.Figure(figsize=(1.6 * columns, 1.8 * rows), layout="constrained")
-    _draw_predictions(fig, samples, class_names, columns)
-    if title:
-        fig.suptitle(title)
-    return fig
 
 
 def confusion(matrix: np.ndarray, class_names, title: str = "") -> mpl_figure.Figure:
@@ -85,18 +87,18 @@ def confusion(matrix: np.ndarray, class_names, title: str = "") -> mpl_figure.Fi
 
 def summary(train_history: list[dict], eval_history: list[dict],
             schedule_points: list[tuple[int, float]], steps_per_epoch: int,
-            samples: dict | None, class_names, title: str) -> mpl_figure.Figure:
-    """summary.png: loss and accuracy (train and eval) over epochs, the learning
-    rate, and a grid of sample test predictions."""
+            curves: tuple[str, ...], best: tuple[str, bool], draw_samples, title: str
+            ) -> mpl_figure.Figure:
+    """summary.png: each metric of `curves` (train and eval) over epochs, the
+    learning rate, and the task's sample predictions (draw_samples(subfigure), or
+    None). best: (metric, higher is better), marked on its curve."""
     fig = mpl_figure.Figure(figsize=(14, 9), layout="constrained")
     fig.suptitle(title)
     top, bottom = fig.subfigures(2, 1, height_ratios=[1, 1.25])
-    loss_ax, accuracy_ax, lr_ax = top.subplots(1, 3)
-    curves = [(loss_ax, "loss", "train_loss", "test_loss"),
-              (accuracy_ax, "accuracy", "train_accuracy", "test_accuracy")]
-    for ax, name, train_key, eval_key in curves:
-        for history, key, label in ((train_history, train_key, "train"),
-                                    (eval_history, eval_key, "eval")):
+    axes = top.subplots(1, len(curves) + 1)
+    for ax, name in zip(axes, curves):
+        for history, key, label in ((train_history, f"train_{name}", "train"),
+                                    (eval_history, f"test_{name}", "eval")):
             points = [(r["epoch"], r[key]) for r in history if key in r]
             if points:
                 ax.plot(*zip(*points), marker="." if label == "eval" else None,
@@ -104,17 +106,18 @@ def summary(train_history: list[dict], eval_history: list[dict],
         ax.set(xlabel="epoch", title=name)
         ax.grid(alpha=0.3)
         ax.legend()
-    if eval_history:
-        best = max(eval_history, key=lambda r: r["test_accuracy"])
-        accuracy_ax.annotate(f"best {100 * best['test_accuracy']:.2f}%",
-                             (best["epoch"], best["test_accuracy"]), fontsize=8,
-                             textcoords="offset points", xytext=(-40, -15))
+        metric, higher = best
+        key = f"test_{metric}"
+        scored = [r for r in eval_history if key in r]
+        if name == metric and scored:
+            pick = (max if higher else min)(scored, key=lambda r: r[key])
+            ax.annotate(f"best {pick[key]:.4g}", (pick["epoch"], pick[key]), fontsize=8,
+                        textcoords="offset points", xytext=(-40, -15))
     steps, rates = zip(*schedule_points)
-    lr_ax.plot(np.array(steps) / steps_per_epoch, rates)
-    lr_ax.set(xlabel="epoch", title="learning rate")
-    lr_ax.grid(alpha=0.3)
-    if samples is not None:
-        bottom.suptitle("sample test predictions (green right, red wrong)", fontsize=10)
-        _draw_predictions(bottom, samples, class_names, columns=min(
-            10, len(samples["labels"])))
+    axes[-1].plot(np.array(steps) / steps_per_epoch, rates)
+    axes[-1].set(xlabel="epoch", title="learning rate")
+    axes[-1].grid(alpha=0.3)
+    if draw_samples is not None:
+        bottom.suptitle("sample test predictions", fontsize=10)
+        draw_samples(bottom)
     return fig

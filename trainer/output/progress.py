@@ -3,6 +3,7 @@ checksum)."""
 import hashlib
 import json
 import time
+import uuid
 
 import numpy as np
 import tensorflow as tf
@@ -155,12 +156,22 @@ class Stopwatch:
         self.seconds = self.elapsed()
 
 
+def write_atomically(path: str, data: bytes | str) -> None:
+    """Writes `data` to a temporary name unique to this writer, then renames it:
+    a crash mid-write leaves the old file or none, never half of one."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    try:
+        with tf.io.gfile.GFile(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        tf.io.gfile.rename(tmp, path, overwrite=True)
+    finally:
+        if tf.io.gfile.exists(tmp):
+            tf.io.gfile.remove(tmp)
+
+
 def write_json(path: str, values: dict) -> None:
     """Writes atomically: a crash mid-write never leaves a truncated file."""
-    tmp = path + ".tmp"
-    with tf.io.gfile.GFile(tmp, "w") as f:
-        json.dump(values, f, indent=2, sort_keys=True)
-    tf.io.gfile.rename(tmp, path, overwrite=True)
+    write_atomically(path, json.dumps(values, indent=2, sort_keys=True))
 
 
 def weights_checksum(model) -> str:
@@ -184,6 +195,9 @@ def log_setup(config, spec, runtime, plan, precision: str, jit: bool, schedule,
                  precision, "on" if jit else "off")
     logging.info("Step: %s", ", ".join(
         f"{name}={value}" for name, value in vars(step_options).items()))
+    settings = vars(config.task_options())
+    logging.info("Task: %s%s", config.task, f" ({', '.join(f'{k}={v}' for k, v in settings.items())})"
+                 if settings else "")
     logging.info("Model %s: %s parameters | data %s: %d train / %d eval examples | "
                  "%d steps (%d per epoch, %.2f epochs)", config.model,
                  f"{model.count_params():,}", config.dataset, plan.train_examples,

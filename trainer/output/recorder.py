@@ -7,21 +7,29 @@ import json
 import os
 
 from absl import logging
+import numpy as np
 import tensorflow as tf
 
 from trainer.output import figures, progress as reporting, summaries
 
 METRICS_FILE = "metrics.json"
 SUMMARY_FILE = "summary.png"
-_DETAILS = ("confusion", "samples")  # eval results that are pictures, not history
+
+
+def _is_detail(value) -> bool:
+    """Eval results that are pictures (sample predictions, a confusion matrix),
+    not history: anything but a number."""
+    return not isinstance(value, (int, float, str))
 
 
 class Recorder:
+    """The history and pictures of one run; `task` says which metric is best and
+    what the pictures show."""
 
-    def __init__(self, model_dir: str, is_chief: bool, start_step: int,
-                 class_names, title: str):
+    def __init__(self, model_dir: str, is_chief: bool, start_step: int, task,
+                 title: str):
         self.model_dir, self.is_chief = model_dir, is_chief
-        self.class_names, self.title = class_names, title
+        self.task, self.title = task, title
         self.train_history, self.eval_history = _previous_history(model_dir, start_step)
         # Times continue from the resumed step, so the curve reads as one run.
         previous = self.train_history + self.eval_history
@@ -43,14 +51,31 @@ class Recorder:
 
     def eval(self, result: dict) -> dict:
         """Records one evaluation; returns its history record (without pictures)."""
-        details = {key: result[key] for key in _DETAILS if key in result}
-        record = self._shift({k: v for k, v in result.items() if k not in _DETAILS})
+        details = {key: value for key, value in result.items() if _is_detail(value)}
+        record = self._shift({k: v for k, v in result.items() if k not in details})
         # A step evaluated again (a finished run rerun) replaces its old record.
         self.eval_history = _before(self.eval_history, record["step"]) + [record]
         self.last_details = details
-        self.writer.eval(record, details, self.class_names)
+        if self.writer.enabled:
+            self.writer.eval(record, self.task.pictures(
+                details.get("samples"), details,
+                f"epoch {record['epoch']:.2f}, {self.describe(record)}"))
         self.save()
         return record
+
+    def describe(self, record: dict) -> str:
+        """'test accuracy 0.8412' of the task's best metric in a record."""
+        metric = self.task.best_metric
+        return f"test {metric} {record[f'test_{metric}']:.4f}"
+
+    def improved(self, record: dict) -> bool:
+        """Whether `record` is the best evaluation so far (by the task's metric)."""
+        key = f"test_{self.task.best_metric}"
+        scored = [r[key] for r in self.eval_history if key in r and r is not record]
+        if not scored:
+            return True
+        best = max(scored) if self.task.higher_is_better else min(scored)
+        return record[key] > best if self.task.higher_is_better else record[key] < best
 
     def save(self) -> None:
         """Writes the history so far (with every checkpoint, so a resume keeps it)."""
@@ -58,31 +83,36 @@ class Recorder:
 
     def finish(self, metrics: dict, schedule_points, steps_per_epoch: int) -> dict:
         """Writes the final metrics.json and summary.png; returns the metrics."""
-        metrics = {**metrics, "status": "done"}
-        if "confusion" in self.last_details:
-            metrics["confusion_matrix"] = self.last_details["confusion"].tolist()
+        metrics = {**metrics, "status": "done",
+                   **{key: value.tolist() for key, value in self.last_details.items()
+                      if isinstance(value, np.ndarray)}}
         metrics = self._write_metrics(metrics)
         self.writer.close()
         if self.is_chief:
+            task, samples = self.task, self.last_details.get("samples")
+            best = metrics[f"best_test_{task.best_metric}"]
             fig = figures.summary(
                 self.train_history, self.eval_history, schedule_points, steps_per_epoch,
-                self.last_details.get("samples"), self.class_names,
-                f"{self.title}: test accuracy {metrics['test_accuracy']:.2%} "
-                f"(best {metrics['best_test_accuracy']:.2%}), "
+                tuple(dict.fromkeys(("loss", task.curve_metric, task.best_metric))),
+                (task.best_metric, task.higher_is_better),
+                (lambda figure: task.draw_samples(figure, samples)) if samples else None,
+                f"{self.title}: {self.describe(metrics)} (best {best:.4f}), "
                 f"{metrics['train_seconds']:.0f} s of training")
             path = os.path.join(self.model_dir, SUMMARY_FILE)
-            with tf.io.gfile.GFile(path, "wb") as f:
-                f.write(figures.png_bytes(fig))
+            reporting.write_atomically(path, figures.png_bytes(fig))
             logging.info("Wrote %s, %s and TensorBoard summaries (tensorboard "
                          "--logdir=%s)", path, METRICS_FILE, self.model_dir)
         return metrics
 
     def best(self) -> dict:
-        """The step and accuracy of the best evaluation so far (best.weights.h5)."""
-        if not self.eval_history:
+        """The step and the task's metric of the best evaluation so far (the one
+        best.weights.h5 holds)."""
+        key = f"test_{self.task.best_metric}"
+        scored = [r for r in self.eval_history if key in r]
+        if not scored:
             return {}
-        best = max(self.eval_history, key=lambda r: r["test_accuracy"])
-        return {"best_step": best["step"], "best_test_accuracy": best["test_accuracy"]}
+        best = (max if self.task.higher_is_better else min)(scored, key=lambda r: r[key])
+        return {"best_step": best["step"], f"best_{key}": best[key], "best_metric": key}
 
     def _write_metrics(self, values: dict) -> dict:
         values = {**values, **self.best(), "eval_history": self.eval_history,

@@ -3,10 +3,10 @@
 
 train: every metric the training step returns (loss, accuracy, grad_norm, ...),
 learning_rate and images_per_second, every --log_every steps. eval: every metric of
-the evaluation (loss, accuracy, accuracy_raw with --ema_decay, ...) and two images
-at each evaluation: `predictions` (a grid of test images, predicted and true
-labels) and `confusion_matrix`. Tags are the history keys without their `train_` or
-`test_` prefix.
+the evaluation (loss, accuracy, accuracy_raw with --ema_decay, ...) and the task's
+pictures at each evaluation (classification: `predictions`, a grid of test images
+with predicted and true labels, and `confusion_matrix`). Tags are the history keys
+without their `train_` or `test_` prefix.
 """
 import os
 
@@ -39,19 +39,18 @@ class Writer:
     def train(self, record: dict) -> None:
         self._scalars("train", record, _tags(record, "train_"))
 
-    def eval(self, record: dict, details: dict, class_names) -> None:
-        """record: the eval-history record; details: `confusion` and `samples`."""
+    @property
+    def enabled(self) -> bool:
+        return bool(self._writers)
+
+    def eval(self, record: dict, pictures: dict | None = None) -> None:
+        """record: the eval-history record; pictures: {tag: matplotlib Figure}."""
         self._scalars("eval", record, _tags(record, "test_"))
         if not self._writers:
             return
-        epoch = f"epoch {record['epoch']:.2f}, test accuracy {record['test_accuracy']:.2%}"
         with self._writers["eval"].as_default(step=record["step"]):
-            if "samples" in details:
-                tf.summary.image("predictions", _png_image(figures.predictions(
-                    details["samples"], class_names, title=epoch)))
-            if "confusion" in details:
-                tf.summary.image("confusion_matrix", _png_image(figures.confusion(
-                    details["confusion"], class_names, title=epoch)))
+            for tag, figure in (pictures or {}).items():
+                tf.summary.image(tag, _png_image(figure))
         self._writers["eval"].flush()
 
     def _scalars(self, name: str, record: dict, tags: dict[str, str]) -> None:

@@ -2,14 +2,14 @@
 
     python -m trainer.serving.export --model_dir=DIR --export_dir=OUT
 
-Signatures (each returns `probabilities` [N, classes], `class_index` [N] and
-`class_name` [N]):
+Signatures, each returning what the run's task serves (classification:
+`probabilities` [N, classes], `class_index` [N] and `class_name` [N], with the
+run's test-time augmentation; autoencoder: `reconstruction` uint8 [N, H, W, 3]):
 - `serving_default(image_bytes: string [N])`: encoded JPEG, PNG, GIF or BMP images
   of any size;
 - `predict_images(images: uint8 [N, H, W, 3])`: decoded images of any one size.
-Both resize to the model's size and normalize exactly as evaluation does (with
-the run's test-time augmentation, --tta_flip and --tta_translate), so clients send
-plain pixels. Load with `tf.saved_model.load(OUT)`.
+Both resize to the model's size and normalize exactly as evaluation does, so
+clients send plain pixels. Load with `tf.saved_model.load(OUT)`.
 """
 import sys
 
@@ -22,7 +22,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from data import augment, sources  # noqa: E402
-from trainer import checkpoints, main as main_lib, step  # noqa: E402
+from trainer import checkpoints, main as main_lib  # noqa: E402
 from trainer.serving import inference  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -39,20 +39,13 @@ def _to_model_size(images: tf.Tensor, size: int) -> tf.Tensor:
 
 def serving_functions(trained: inference.TrainedModel) -> dict:
     """name -> (function, input signature) for the SavedModel."""
-    size, spec, model = trained.image_size, trained.spec, trained.model
-    normalize = augment.make_normalize(spec.mean, spec.std)
-    names = tf.constant(list(trained.class_names))
-    tta = step.tta_of(trained.config)
+    size, task, model = trained.image_size, trained.task, trained.model
 
-    def classify(images):  # uint8 at the model's size
-        normalized, _ = normalize(images, None)
-        probabilities = tf.nn.softmax(step.predict_logits(model, normalized, **tta))
-        index = tf.argmax(probabilities, axis=-1)
-        return {"probabilities": probabilities, "class_index": index,
-                "class_name": tf.gather(names, index)}
+    def serve(images):  # uint8 at the model's size
+        return task.serve(task.predict(model, task.normalize(images)))
 
     def predict_images(images):
-        return classify(_to_model_size(images, size))
+        return serve(_to_model_size(images, size))
 
     def decode_one(data):
         image = tf.io.decode_image(data, channels=3, expand_animations=False)
@@ -61,7 +54,7 @@ def serving_functions(trained: inference.TrainedModel) -> dict:
     def serve_bytes(image_bytes):
         images = tf.map_fn(decode_one, image_bytes,
                            fn_output_signature=tf.TensorSpec([size, size, 3], tf.uint8))
-        return classify(images)
+        return serve(images)
 
     return {"serving_default": (serve_bytes, [tf.TensorSpec([None], tf.string,
                                                             name="image_bytes")]),

@@ -1,6 +1,7 @@
-"""From pixels to class probabilities outside training: rebuild a trained model from
-its model_dir, and prepare images exactly as evaluation does (resize to the model's
-size, then the dataset's normalization). Used by predict, export and the pictures.
+"""From pixels to the task's outputs outside training: rebuild a trained model and
+its task from its model_dir (with trainer/build.py, as training does), and prepare
+images exactly as evaluation does (resize to the model's size, then the dataset's
+normalization). Used by predict, export and the pictures.
 """
 import dataclasses
 import json
@@ -11,8 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from data import augment, sources
-import models
-from trainer import checkpoints, step
+from trainer import build, checkpoints, config as config_lib
 
 WEIGHTS_FILE = "model.weights.h5"
 BEST_WEIGHTS_FILE = "best.weights.h5"  # the weights of the best evaluation
@@ -30,15 +30,6 @@ def resize_uint8(image, size: int) -> np.ndarray:
     return tf.cast(image, tf.uint8).numpy()
 
 
-def class_probabilities(model: keras.Model, images, spec: sources.DatasetSpec,
-                        tta: dict | None = None) -> np.ndarray:
-    """Class probabilities for uint8 images [N, size, size, 3]; tta: keyword
-    arguments of step.predict_logits (step.tta_of)."""
-    normalized, _ = augment.make_normalize(spec.mean, spec.std)(
-        tf.convert_to_tensor(images, tf.uint8), None)
-    return tf.nn.softmax(step.predict_logits(model, normalized, **(tta or {}))).numpy()
-
-
 def decode_file(path: str) -> np.ndarray:
     """An image file (JPEG, PNG, GIF, BMP; grey, RGBA or RGB) -> uint8 [H, W, 3]."""
     try:
@@ -51,8 +42,9 @@ def decode_file(path: str) -> np.ndarray:
 
 
 class TrainedModel:
-    """The model of a finished run, rebuilt on this machine from run_config.json and
-    model.weights.h5 (the evaluated weights: the average with --ema_decay)."""
+    """The model of a finished run and its task, rebuilt on this machine from
+    run_config.json and model.weights.h5 (the evaluated weights: the average with
+    --ema_decay)."""
 
     def __init__(self, model_dir: str):
         config_path = os.path.join(model_dir, checkpoints.RUN_CONFIG)
@@ -62,26 +54,20 @@ class TrainedModel:
                 raise InferenceError(f"{path} not found: --model_dir must be the "
                                      f"directory of a finished training run")
         with tf.io.gfile.GFile(config_path) as f:
-            self.config = json.load(f)
-        self.spec = _dataset_spec(self.config["dataset"], model_dir)
-        self.image_size = self.config.get("image_size") or self.spec.image_shape[0]
+            self.config = config_lib.from_dict(json.load(f))
+        self.spec = _dataset_spec(self.config.dataset, model_dir)
+        self.image_size = self.config.image_size or self.spec.image_shape[0]
         keras.mixed_precision.set_global_policy("float32")  # CPU inference
-        self.model = models.build(
-            self.config["model"], self.spec.num_classes,
-            (self.image_size, self.image_size, self.spec.image_shape[2]),
-            tiny=self.config.get("model_size") == "tiny",
-            options=self.config.get("model_options", ""))
+        self.task = build.make_task(self.config, self.spec)
+        self.model = build.build_model(self.config, self.spec, self.task, weights="none")
         self.model.load_weights(weights_path)
 
-    @property
-    def class_names(self) -> tuple[str, ...]:
-        return self.spec.class_names or tuple(
-            str(i) for i in range(self.spec.num_classes))
-
-    def probabilities(self, images: list) -> np.ndarray:
-        """Class probabilities [N, classes] for images of any size."""
+    def serve(self, images: list) -> dict[str, np.ndarray]:
+        """The task's serving outputs (e.g. class probabilities) for images of any
+        size, resized and normalized as evaluation does."""
         batch = np.stack([resize_uint8(image, self.image_size) for image in images])
-        return class_probabilities(self.model, batch, self.spec, step.tta_of(self.config))
+        served = self.task.serve(self.task.predict(self.model, self.task.normalize(batch)))
+        return {key: np.asarray(value) for key, value in served.items()}
 
 
 def _dataset_spec(name: str, model_dir: str) -> sources.DatasetSpec:

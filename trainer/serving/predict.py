@@ -1,15 +1,18 @@
-"""Classify images with a trained run, on the CPU:
+"""Run a trained model on images, on the CPU:
 
     python -m trainer.serving.predict --model_dir=DIR photo.jpg other.png ...
     python -m trainer.serving.predict --dataset=cifar10 --index=111        # a test image
 
-Rebuilds the model from DIR/run_config.json and DIR/model.weights.h5 (written by
-trainer.main; default DIR: the one trainer.main trains --model in, runs/<model>_<the
-model's recipe's dataset, or --dataset>), resizes each image to the model's size as
-evaluation does, and prints the top classes with their names and probabilities.
+Rebuilds the model and its task from DIR/run_config.json and DIR/model.weights.h5
+(written by trainer.main; default DIR: the one trainer.main trains --model in,
+runs/<model>_<the model's recipe's dataset, or --dataset>), resizes each image to the
+model's size as evaluation does, and prints what the run's task makes of it: a
+classifier its top classes with their names and probabilities; an autoencoder
+writes the reconstruction as an image file (in --output_dir) and prints its path.
 Exit status 2 with a one-line error on bad input.
 """
 import dataclasses
+import os
 import sys
 
 from trainer import cli  # noqa: E402
@@ -40,6 +43,7 @@ class Options:
     split: str  # "": the dataset's evaluation split
     data_dir: str | None
     top: int  # 0: up to 5
+    output_dir: str = ""  # "": DIR/predictions
 
 
 def _dataset_image(spec: sources.DatasetSpec, split: str, index: int,
@@ -53,20 +57,11 @@ def _dataset_image(spec: sources.DatasetSpec, split: str, index: int,
     return image.numpy(), int(label)
 
 
-def format_top(probabilities, class_names, top: int) -> list[str]:
-    order = probabilities.argsort()[::-1][:top]
-    width = max(len(class_names[i]) for i in order)
-    return [f"  {rank}. {class_names[i]:<{width}}  {100 * probabilities[i]:6.2f}%"
-            for rank, i in enumerate(order, 1)]
-
-
 def run(args: Options) -> list[str]:
     """The lines to print for `args`."""
     trained = inference.TrainedModel(args.model_dir)
-    names = trained.class_names
-    top = args.top or min(len(names), 5)
     if args.index is not None:
-        spec = sources.get_spec(args.dataset or trained.config["dataset"])
+        spec = sources.get_spec(args.dataset or trained.config.dataset)
         if spec.num_classes != trained.spec.num_classes:
             raise inference.InferenceError(
                 f"{spec.name} has {spec.num_classes} classes but the model in "
@@ -75,16 +70,23 @@ def run(args: Options) -> list[str]:
         split = args.split or spec.eval_split
         image, label = _dataset_image(spec, split, args.index, args.data_dir)
         items = [(f"{spec.name} {split} image {args.index} "
-                  f"({image.shape[1]}x{image.shape[0]}), true class: {names[label]}",
-                  image)]
+                  f"({image.shape[1]}x{image.shape[0]})", image, {"label": label},
+                  f"{spec.name}_{split}_{args.index}")]
     else:
-        items = [(f"{path} ({image.shape[1]}x{image.shape[0]})", image)
+        items = [(f"{path} ({image.shape[1]}x{image.shape[0]})", image, None,
+                  os.path.splitext(os.path.basename(path))[0])
                  for path, image in ((p, inference.decode_file(p)) for p in args.images)]
-    lines = [f"model {trained.config['model']} trained on {trained.spec.name} "
-             f"(from {args.model_dir}), input {trained.image_size}x{trained.image_size}"]
-    probabilities = trained.probabilities([image for _, image in items])
-    for (title, _), row in zip(items, probabilities):
-        lines += [title, *format_top(row, names, top)]
+    output_dir = args.output_dir or os.path.join(args.model_dir, "predictions")
+    lines = [f"model {trained.config.model} ({trained.config.task}) trained on "
+             f"{trained.spec.name} (from {args.model_dir}), input "
+             f"{trained.image_size}x{trained.image_size}"]
+    served = trained.serve([image for _, image, _, _ in items])
+    extra = {"top": args.top} if args.top else {}
+    for row, (title, image, example, stem) in enumerate(items):
+        lines += trained.task.report(
+            {key: value[row] for key, value in served.items()}, title,
+            inference.resize_uint8(image, trained.image_size), example,
+            os.path.join(output_dir, stem), **extra)
     return lines
 
 
@@ -107,6 +109,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                "--index.")
     main_lib.define_flag(flag_values, flags.DEFINE_integer, "top", 0, "Classes to print "
                "(default: up to 5).")
+    main_lib.define_flag(flag_values, flags.DEFINE_string, "output_dir", "", "Where a task "
+               "that makes images (autoencoder) writes them (default: "
+               "<model_dir>/predictions).")
 
 
 def default_model_dir(model: str, dataset: str = "") -> str:
@@ -131,7 +136,7 @@ def options_from_flags(images: list[str],
                    model_dir=flag_values.model_dir or default_model_dir(
                        flag_values.model, dataset),
                    split=flag_values.split, data_dir=flag_values.data_dir,
-                   top=flag_values.top)
+                   top=flag_values.top, output_dir=flag_values.output_dir)
 
 
 def parse(argv: list[str]) -> Options:

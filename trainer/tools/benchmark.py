@@ -31,7 +31,7 @@ import tensorflow as tf  # noqa: E402
 
 from data import sources  # noqa: E402
 import models  # noqa: E402
-from trainer import distributed, inputs, optimizers, step  # noqa: E402
+from trainer import build, distributed, inputs  # noqa: E402
 from trainer.flops import peak_flops, training_flops_per_image  # noqa: E402
 from trainer.config import Config  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
@@ -60,7 +60,10 @@ def _in_memory(shape, num_classes: int, batch: int, as_dict: bool = True
 
 
 class Runner:
-    """One case, built once; run(steps) trains that many steps and returns seconds."""
+    """One case, built once; run(steps) trains that many steps and returns seconds.
+    Ours is built as trainer.main builds a run (trainer/build.py: the task, model,
+    optimizer and step), with Adam 1e-3; model.fit gets the same model and a plain
+    Keras Adam 1e-3 (fit sums the gradients itself)."""
 
     def __init__(self, case: Case, args, spec, shape):
         self.case, self.batch = case, args.batch_size
@@ -68,26 +71,24 @@ class Runner:
         keras.utils.set_random_seed(0)
         strategy = (strategy_lib.mirrored(tuple(args.devices)) if len(args.devices) > 1
                     else tf.distribute.OneDeviceStrategy("/cpu:0"))
-        with strategy.scope():
-            self.model = models.build(args.model, spec.num_classes, shape,
-                                      tiny=args.model_size == "tiny")
-            optimizer = optimizers.create("adam", 1e-3, self.model.trainable_variables,
-                                          precision=case.precision)
+        config = Config(model=args.model, model_size=args.model_size,
+                        dataset=args.dataset, image_size=shape[0],
+                        batch_size=self.batch, data_dir=args.data_dir, optimizer="adam",
+                        learning_rate=1e-3, train_steps=args.steps)
         if case.runner == "fit":
-            self.model.compile(optimizer=optimizer, jit_compile=case.jit,
-                               loss=keras.losses.SparseCategoricalCrossentropy(
-                                   from_logits=True))
+            with strategy.scope():
+                task = build.make_task(config, spec)
+                self.model = build.build_model(config, spec, task)
+                self.model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                                   jit_compile=case.jit,
+                                   loss=keras.losses.SparseCategoricalCrossentropy(
+                                       from_logits=True))
             self.dataset = _in_memory(shape, spec.num_classes, self.batch, as_dict=False)
         else:
-            options = step.StepOptions(batch_size=self.batch)
-            model = self.model
-            self.loop = distributed.make_train_loop(
-                strategy, lambda batch: step.train_step(model, optimizer, batch, options),
-                case.jit)
+            run = build.build_run(config, spec, build.plan(
+                config, spec, strategy.num_replicas_in_sync), strategy, case.precision)
+            self.loop = distributed.make_train_loop(strategy, run.train_step, case.jit)
             if case.data == "pipeline":  # exactly what trainer.main trains on
-                config = Config(model=args.model, dataset=args.dataset,
-                                image_size=shape[0], batch_size=self.batch,
-                                data_dir=args.data_dir)
                 _, train_examples = sources.load(spec, spec.train_split, args.data_dir)
                 dataset = strategy.distribute_datasets_from_function(
                     inputs.train_input_fn(config, spec, train_examples))
@@ -164,8 +165,10 @@ def measure(args) -> dict:
     for _ in range(args.rounds):
         for runner in runners:
             seconds[runner.case.name].append(runner.run(args.steps))
-    flops = training_flops_per_image(args.model, spec.num_classes, shape,
-                                     args.model_size == "tiny")
+    config = Config(model=args.model, model_size=args.model_size, dataset=args.dataset,
+                    image_size=shape[0])
+    flops = training_flops_per_image(
+        lambda: build.build_model(config, spec, build.make_task(config, spec)), shape)
     peaks = {p: peak_flops(p, args.peak_size)
              for p in {precision, "float32", "mixed_bfloat16"}}
     rows = []

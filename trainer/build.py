@@ -1,0 +1,170 @@
+"""One way to build a run: a Config becomes the task, the strategy-scoped model,
+optimizer and schedule, and the per-replica step functions.
+
+Training (trainer/loop.py), trainer.check_step, trainer.evaluate, predict and
+export (trainer/serving/) and the benchmark all build here, so what check_step
+checks is what trains: a teacher, a new option or a new task wired in here is in
+every command at once.
+"""
+import dataclasses
+from typing import Callable
+
+import keras
+import tensorflow as tf
+
+from data import pipeline, sources
+import models
+from trainer import averaging, inputs, optimizers, schedules, step, tasks
+from trainer.config import Config, ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Sizes derived from the config, the data and the replica count."""
+    train_examples: int
+    eval_examples: int
+    steps_per_epoch: int
+    total_steps: int
+    eval_steps: int
+    per_replica_batch: int
+
+    @classmethod
+    def make(cls, config: Config, train_examples: int, eval_examples: int,
+             num_replicas: int) -> "Plan":
+        # The one place the batch is checked against the replicas.
+        if config.batch_size % num_replicas:
+            raise ConfigError(f"--batch_size={config.batch_size} does not divide by the "
+                              f"{num_replicas} replicas; use a multiple of {num_replicas}")
+        per_replica = config.batch_size // num_replicas
+        if per_replica % config.grad_accum_steps:
+            raise ConfigError(f"the per-replica batch {per_replica} does not divide into "
+                              f"--grad_accum_steps={config.grad_accum_steps} micro-batches; "
+                              f"use a batch size that is a multiple of "
+                              f"{num_replicas * config.grad_accum_steps}")
+        steps_per_epoch = train_examples // config.batch_size
+        if steps_per_epoch == 0:
+            raise ConfigError(f"--batch_size={config.batch_size} is larger than the "
+                              f"{train_examples} training examples; lower it")
+        total = config.train_steps or config.epochs * steps_per_epoch
+        return cls(train_examples, eval_examples, steps_per_epoch, total,
+                   pipeline.eval_steps(eval_examples, config.batch_size), per_replica)
+
+
+def counts(config: Config, spec: sources.DatasetSpec) -> tuple[int, int]:
+    """(training examples, evaluation examples)."""
+    return tuple(sources.load(spec, split, config.data_dir, config.download_data)[1]
+                 for split in (spec.train_split, spec.eval_split))
+
+
+def plan(config: Config, spec: sources.DatasetSpec, num_replicas: int) -> Plan:
+    return Plan.make(config, *counts(config, spec), num_replicas)
+
+
+def make_schedule(config: Config, plan: Plan) -> schedules.WarmupSchedule:
+    return schedules.WarmupSchedule(
+        config.lr_schedule, config.learning_rate, plan.total_steps, plan.steps_per_epoch,
+        warmup_steps=round(config.warmup_epochs * plan.steps_per_epoch),
+        decay_rate=config.lr_decay_rate,
+        sustain_steps=round(config.sustain_epochs * plan.steps_per_epoch),
+        floor=config.min_learning_rate)
+
+
+def make_task(config: Config, spec: sources.DatasetSpec) -> tasks.Task:
+    """The run's task with its settings (nothing built yet: see Task.build)."""
+    return tasks.get(config.task)(config.task_options(), spec,
+                                  inputs.image_shape(config, spec))
+
+
+def build_model(config: Config, spec: sources.DatasetSpec, task: tasks.Task,
+                weights: str | None = None) -> keras.Model:
+    """The run's model (fresh, or --weights; `weights` overrides that), checked
+    against the task: a model whose outputs do not fit is a one-line ConfigError.
+    Call under the strategy's scope."""
+    task.check_kind(config.model)
+    try:
+        model = models.build(config.model, task.num_classes(),
+                             inputs.image_shape(config, spec),
+                             tiny=config.model_size == "tiny",
+                             weights=config.weights if weights is None else weights,
+                             options=config.model_options)
+    except ValueError as err:  # bad weights file, image too small, bad option
+        raise ConfigError(str(err)) from err
+    task.check(config.model, model)
+    return model
+
+
+def build_optimizer(config: Config,
+                    schedule: keras.optimizers.schedules.LearningRateSchedule | float,
+                    model: keras.Model,
+                    precision: str = "float32") -> keras.optimizers.Optimizer:
+    """The run's optimizer, built, with its learning-rate multipliers and, with
+    --lookahead_every, the Lookahead's slow weights; call under the strategy's
+    scope, after any initialisation of the weights."""
+    try:
+        optimizer = optimizers.create(config.optimizer, schedule,
+                                      model.trainable_variables, config.weight_decay,
+                                      config.momentum, precision, config.ema_decay,
+                                      config.lr_multipliers, config.optimizer_options)
+    except ValueError as err:  # a bad --optimizer_options or --lr_multipliers
+        raise ConfigError(str(err)) from err
+    if config.lookahead_every:
+        averaging.add_lookahead(optimizer, model.trainable_variables
+                                + step.moving_statistics(model))
+    return optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A built run: its task, model, optimizer, schedule and step options, and the
+    per-replica step functions the distribution wrapper runs."""
+    config: Config
+    spec: sources.DatasetSpec
+    plan: Plan
+    task: tasks.Task
+    model: keras.Model
+    optimizer: keras.optimizers.Optimizer
+    schedule: schedules.WarmupSchedule
+    step_options: step.StepOptions
+
+    def train_step(self, batch: dict) -> dict:
+        return step.train_step(self.model, self.optimizer, self.task, batch,
+                               self.step_options)
+
+    def eval_step(self, batch: dict) -> dict:
+        return step.eval_step(self.model, self.task, batch)
+
+
+def build_run(config: Config, spec: sources.DatasetSpec, plan: Plan,
+              strategy: tf.distribute.Strategy, precision: str = "float32",
+              training: bool = True, initial_weights: list | None = None,
+              adapt_model: Callable[[keras.Model], keras.Model] | None = None,
+              adapt_fixed_model: Callable[[keras.Model], keras.Model] | None = None
+              ) -> Run:
+    """Builds everything a run trains and evaluates with, under `strategy`, in the
+    mixed-precision policy `precision` (set globally, as Keras wants).
+
+    training: also set data-initialised layers (patch whitening) from the first
+    training images (unless the weights come from --weights or initial_weights) and
+    build what the task trains with (a teacher); False for evaluation, whose
+    weights come from a checkpoint. adapt_model (check_step: synchronized batch-norm, no dropout, float64) is
+    applied to the model before initial_weights are set; adapt_fixed_model to the
+    models a task uses without training them (a teacher)."""
+    keras.mixed_precision.set_global_policy(precision)
+    task = make_task(config, spec)
+    with strategy.scope():
+        model = build_model(config, spec, task)
+        if adapt_model is not None:
+            model = adapt_model(model)
+        if initial_weights is not None:
+            model.set_weights(initial_weights)
+        elif training and models.needs_data(model) and config.weights == "none":
+            # Layers set from the data, e.g. airbench's patch whitening (a resumed
+            # run then restores them from the checkpoint, like every weight;
+            # --weights brought them already).
+            models.init_from_data(model, inputs.init_images(config, spec))
+        if training:
+            task.build(adapt_fixed_model)
+        schedule = make_schedule(config, plan)  # a function of optimizer.iterations
+        optimizer = build_optimizer(config, schedule, model, precision)
+    step_options = step.StepOptions.from_config(config, total_steps=plan.total_steps)
+    return Run(config, spec, plan, task, model, optimizer, schedule, step_options)

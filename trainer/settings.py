@@ -1,0 +1,33 @@
+"""Settings are dataclass fields that carry their flag's help text, so every
+command makes its flags from them (trainer/main.py): the run's `Config`
+(trainer/config.py) and each task's own `Settings` (trainer/tasks/). And the one
+error type a command prints as one line with exit status 2."""
+import dataclasses
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad setting; commands print its one-line message and exit with status 2."""
+
+
+def setting(default: Any, help: str) -> Any:  # noqa: A002 (absl's word for it)
+    """A field with its flag's help text."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def check_range(name: str, value: float, low: float | None = None,
+                high: float | None = None, low_open: bool = False,
+                high_open: bool = False) -> None:
+    """ConfigError unless low <= value <= high (< where open); NaN and inf fail."""
+    bad = value != value or value in (float("inf"), float("-inf"))
+    if low is not None:
+        bad = bad or value < low or (low_open and value == low)
+    if high is not None:
+        bad = bad or value > high or (high_open and value == high)
+    if bad:
+        left = "" if low is None else f"{'(' if low_open else '['}{low:g}, "
+        right = "" if high is None else f"{high:g}{')' if high_open else ']'}"
+        where = (f"in {left}{right}" if low is not None and high is not None
+                 else f"{'>' if low_open else '>='} {low:g}" if low is not None
+                 else f"{'<' if high_open else '<='} {high:g}")
+        raise ConfigError(f"--{name} must be {where}, got {value}")

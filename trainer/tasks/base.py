@@ -1,0 +1,223 @@
+"""The task contract: what a run optimizes and measures.
+
+A task is one file in trainer/tasks/ with a `Task` subclass decorated with
+`@register`; `--task=NAME` picks it. The step (trainer/step.py), the loop,
+evaluation, the pictures, predict, export and check_step call only the methods
+below, so nothing outside a task assumes labels, classes or argmax.
+
+Declared (class attributes):
+- `name`, and `Settings`: a frozen dataclass of the task's own settings, each
+  field made with `settings.setting(default, help)`; every field is a flag
+  (trainer/main.py), stored in `Config.task_settings`. Validate in
+  `__post_init__` (raise ConfigError).
+- `batch_keys`: the batch keys it reads ("image", "label", ...);
+  `soft_targets`: whether it trains on mixed "target"s (--mixup_alpha/--cutmix_alpha).
+- `model_outputs`: the model output kinds it accepts (models.LOGITS, HEADS, IMAGE).
+- `best_metric`, `higher_is_better`: the evaluation metric that picks
+  best.weights.h5; `curve_metric`: the one summary.png plots beside the loss.
+- `recipe`: defaults for `--task=NAME` (e.g. its model), under the flags.
+
+Per replica, inside the compiled step (tensors in, tensors out):
+- `loss(batch, outputs)`: (the per-example training loss [B], {name: (total,
+  weight)} of training metrics); the step averages the loss over the GLOBAL
+  batch, adds regularizers, and reports it as "loss" beside the metrics.
+- `predict(model, images)`: what evaluation and serving read (e.g. TTA logits).
+- `eval_metrics(batch, predictions, weights)`: {name: (total, weight)}, with
+  "loss" whose weight is the number of examples counted (weights: 0 for padding).
+  A non-scalar total (e.g. a confusion matrix) is kept for the pictures.
+
+Outside the step (eager numpy, or the SavedModel's graph for `serve`):
+- `check_kind(model_name)`, `check(model_name, model)`: one-line ConfigError if
+  the model (declared, then built) does not fit.
+- `build(adapt)`: under the strategy's scope, make what the task needs besides
+  the model (distill: its teacher); `adapt` is applied to any such model.
+- `serve(predictions)`: the outputs of predict and of the exported SavedModel.
+- `report(served, title, image, example, output_stem)`: predict's lines for one
+  image (`served`: its row of `serve`; `image`: the uint8 input at the model's
+  size; `example`: the dataset example, or None for a file; `output_stem`: where
+  it may write a file, without extension).
+- `sample_predictions(model, samples)`, `draw_samples(figure, samples)`,
+  `pictures(samples, details, title)`: the evaluation pictures (TensorBoard,
+  summary.png); `samples` holds the first eval examples ("image" uint8, ...).
+"""
+import dataclasses
+from typing import Any, Callable, ClassVar
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import models
+from data import augment, sources
+from trainer.settings import ConfigError
+from trainer.output import figures
+
+Metric = tuple[tf.Tensor, tf.Tensor]  # (total, weight): shown as total / weight
+
+
+@dataclasses.dataclass(frozen=True)
+class NoSettings:
+    """A task without settings of its own."""
+
+
+class Task:
+    name: ClassVar[str] = ""
+    Settings: ClassVar[type] = NoSettings
+    batch_keys: ClassVar[tuple[str, ...]] = ("image",)
+    soft_targets: ClassVar[bool] = False
+    model_outputs: ClassVar[tuple[str, ...]] = (models.LOGITS,)
+    best_metric: ClassVar[str] = "loss"
+    higher_is_better: ClassVar[bool] = False
+    curve_metric: ClassVar[str] = "loss"
+    recipe: ClassVar[dict] = {}
+
+    def __init__(self, settings: Any, spec: sources.DatasetSpec,
+                 input_shape: tuple[int, int, int]):
+        self.settings, self.spec, self.input_shape = settings, spec, input_shape
+
+    # --- set-up --------------------------------------------------------------------
+
+    def num_classes(self) -> int | None:
+        """What a LOGITS/HEADS model is built with (None: the task needs no classes)."""
+        return self.spec.num_classes
+
+    def expected_output_shape(self) -> tuple[int, ...]:
+        """One example's model output (the main head's, for HEADS)."""
+        return (self.num_classes(),)
+
+    def check_kind(self, model_name: str) -> None:
+        """ConfigError (one line) unless the model declares an output this task
+        reads (models.register(outputs=...)); before the model is built."""
+        kind = models.entry(model_name).outputs
+        if kind not in self.model_outputs:
+            fitting = ", ".join(models.names_with_outputs(self.model_outputs)) or "none"
+            raise ConfigError(
+                f"task {self.name} needs a model that outputs "
+                f"{' or '.join(models.OUTPUT_KINDS[k] for k in self.model_outputs)}; "
+                f"{model_name} outputs {models.OUTPUT_KINDS[kind]} (models that fit: "
+                f"{fitting})")
+
+    def check(self, model_name: str, model: keras.Model) -> None:
+        """ConfigError (one line) unless the built model outputs what this task
+        reads, in exactly the shape it compares it with."""
+        self.check_kind(model_name)
+        kind = models.entry(model_name).outputs
+        output = model.output["logits"] if kind == models.HEADS else model.output
+        shape = tuple(output.shape[1:])
+        if shape != self.expected_output_shape():
+            raise ConfigError(
+                f"{model_name} outputs shape {shape} per example, but task {self.name} "
+                f"compares it with {self.expected_output_shape()}; change the model's "
+                f"output (or --image_size) so they match exactly")
+
+    def build(self, adapt: Callable[[keras.Model], keras.Model] | None = None) -> None:
+        """Makes what the task needs besides the model (under the strategy's scope)."""
+
+    # --- per replica, in the step ----------------------------------------------------
+
+    def loss(self, batch: dict, outputs) -> tuple[tf.Tensor, dict[str, Metric]]:
+        raise NotImplementedError
+
+    def predict(self, model: keras.Model, images: tf.Tensor):
+        return model(images, training=False)
+
+    def eval_metrics(self, batch: dict, predictions, weights: tf.Tensor
+                     ) -> dict[str, Metric]:
+        raise NotImplementedError
+
+    # --- outside the step -------------------------------------------------------------
+
+    def serve(self, predictions) -> dict[str, tf.Tensor]:
+        raise NotImplementedError
+
+    def report(self, served: dict[str, np.ndarray], title: str, image: np.ndarray,
+               example: dict | None, output_stem: str) -> list[str]:
+        raise NotImplementedError
+
+    def sample_predictions(self, model: keras.Model, samples: dict) -> dict:
+        """samples + what the pictures show of the model's predictions (eager, on
+        this worker alone: no collective, so the chief may do it by itself)."""
+        return {**samples, **{key: np.asarray(value) for key, value in
+                              self.serve(self.predict(model, self.normalize(
+                                  samples["image"]))).items()}}
+
+    def draw_samples(self, figure, samples: dict) -> None:
+        """Draws the sample predictions into a matplotlib (sub)figure."""
+
+    def pictures(self, samples: dict | None, details: dict, title: str) -> dict:
+        """{TensorBoard tag: Figure} at an evaluation."""
+        if samples is None:
+            return {}
+        figure = figures.new_figure(samples_count=len(samples["image"]))
+        self.draw_samples(figure, samples)
+        figure.suptitle(title)
+        return {"predictions": figure}
+
+    # --- shared helpers -----------------------------------------------------------
+
+    def normalize(self, images_uint8) -> tf.Tensor:
+        """uint8 pixels -> the model's input, exactly as evaluation prepares them."""
+        normalized, _ = augment.make_normalize(self.spec.mean, self.spec.std)(
+            tf.convert_to_tensor(images_uint8, tf.uint8), None)
+        return normalized
+
+    def to_pixels(self, normalized: tf.Tensor) -> tf.Tensor:
+        """The model's input space -> float pixels in [0, 1] (unclipped)."""
+        mean = tf.constant(self.spec.mean, normalized.dtype)
+        std = tf.constant(self.spec.std, normalized.dtype)
+        return normalized * std + mean
+
+
+_TASKS: dict[str, type[Task]] = {}
+
+
+def register(cls: type[Task]) -> type[Task]:
+    """`@register` above a Task subclass makes it --task=<cls.name>."""
+    if not cls.name or cls.name in _TASKS:
+        raise ValueError(f"task {cls.__name__} needs a unique `name` (got {cls.name!r})")
+    _TASKS[cls.name] = cls
+    return cls
+
+
+def names() -> tuple[str, ...]:
+    return tuple(sorted(_TASKS))
+
+
+def get(name: str) -> type[Task]:
+    if name not in _TASKS:
+        raise ConfigError(f"unknown task {name!r}; valid: {', '.join(names())}")
+    return _TASKS[name]
+
+
+def setting_fields(name: str) -> dict[str, dataclasses.Field]:
+    """The settings of task `name`, by field name."""
+    return {f.name: f for f in dataclasses.fields(get(name).Settings)}
+
+
+def all_setting_fields() -> dict[str, dataclasses.Field]:
+    """Every task's settings (a name shared by tasks is one setting: a subclass's
+    Settings extends its parent's); a flag each."""
+    fields: dict[str, dataclasses.Field] = {}
+    for task in names():
+        for name, field in setting_fields(task).items():
+            if name in fields and field.default != fields[name].default:
+                raise ValueError(f"task setting {name!r} has two defaults")
+            fields.setdefault(name, field)
+    return fields
+
+
+def owners(setting: str) -> list[str]:
+    """The tasks that have `setting`."""
+    return [task for task in names() if setting in setting_fields(task)]
+
+
+def make_settings(name: str, values: dict) -> Any:
+    """Task `name`'s Settings from `values` (missing ones: defaults); ConfigError
+    for a value its __post_init__ refuses or a setting of another task."""
+    known = setting_fields(name)
+    unknown = [key for key in values if key not in known]
+    if unknown:
+        raise ConfigError(f"--{unknown[0]} is a setting of task(s) "
+                          f"{', '.join(owners(unknown[0])) or 'none'}, not of "
+                          f"{name}; pass --task=... or drop the flag")
+    return get(name).Settings(**values)

@@ -1,0 +1,115 @@
+"""Knowledge distillation (Hinton et al. 2015): a student learns from the labels
+and from a teacher, a finished run given by --teacher_dir.
+
+    loss = alpha * CE(label) + (1 - alpha) * T^2 * KL(softmax(teacher / T) || softmax(student / T))
+
+The teacher is rebuilt from its run_config.json and its final (or best) weights,
+under the same strategy as the student, and runs in inference mode (batch-norm's
+moving statistics, no dropout); its weights never train. Evaluation, predict and
+export are those of classification: the student alone.
+
+    python -m trainer.main --task=distill --teacher_dir=runs/airbench_cifar10
+"""
+import dataclasses
+import json
+import os
+from typing import Callable
+
+import keras
+import tensorflow as tf
+
+import models
+from trainer.settings import ConfigError, check_range, setting
+from trainer.tasks import base, classification
+
+RUN_CONFIG = "run_config.json"  # (trainer.checkpoints.RUN_CONFIG)
+WEIGHTS = {"final": "model.weights.h5", "best": "best.weights.h5"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings(classification.Settings):
+    teacher_dir: str = setting("", "distill: the teacher, a finished run's directory "
+                               "(its run_config.json and weights).")
+    teacher_weights: str = setting("final", "distill: the teacher's final|best weights "
+                                   "(model.weights.h5 or best.weights.h5).")
+    distill_alpha: float = setting(0.5, "distill: weight of the cross-entropy on the "
+                                   "labels; 1 - alpha goes to matching the teacher.")
+    distill_temperature: float = setting(4.0, "distill: softmax temperature T of "
+                                         "teacher and student in the KL term (scaled "
+                                         "by T^2, so its gradient keeps its size).")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.teacher_dir:
+            raise ConfigError("--task=distill needs --teacher_dir=DIR, a finished run "
+                              "(e.g. runs/airbench_cifar10)")
+        if self.teacher_weights not in WEIGHTS:
+            raise ConfigError(f"--teacher_weights must be final or best, got "
+                              f"{self.teacher_weights!r}")
+        check_range("distill_alpha", self.distill_alpha, 0, 1)
+        check_range("distill_temperature", self.distill_temperature, 0, low_open=True)
+
+
+def kl_at_temperature(teacher_logits: tf.Tensor, student_logits: tf.Tensor,
+                      temperature: float) -> tf.Tensor:
+    """Per-example KL(softmax(teacher / T) || softmax(student / T))."""
+    teacher = tf.nn.log_softmax(teacher_logits / temperature)
+    student = tf.nn.log_softmax(student_logits / temperature)
+    return tf.reduce_sum(tf.exp(teacher) * (teacher - student), axis=-1)
+
+
+@base.register
+class Distill(classification.Classification):
+    name = "distill"
+    Settings = Settings
+    recipe = {"model": "airbench_small"}
+
+    def build(self, adapt: Callable[[keras.Model], keras.Model] | None = None) -> None:
+        """The teacher, from its run directory (one-line errors if it cannot be)."""
+        directory = self.settings.teacher_dir
+        config_path = os.path.join(directory, RUN_CONFIG)
+        weights_path = os.path.join(directory, WEIGHTS[self.settings.teacher_weights])
+        for path in (config_path, weights_path):
+            if not tf.io.gfile.exists(path):
+                raise ConfigError(f"--teacher_dir={directory}: {path} not found; give a "
+                                  f"finished run's directory")
+        with tf.io.gfile.GFile(config_path) as f:
+            teacher = json.load(f)
+        if teacher.get("task", "classification") not in ("classification", "distill"):
+            raise ConfigError(f"--teacher_dir={directory} is a {teacher['task']} run; "
+                              f"the teacher must be a classifier")
+        if teacher.get("dataset") != self.spec.name:
+            raise ConfigError(f"--teacher_dir={directory} was trained on "
+                              f"{teacher.get('dataset')}, the student on {self.spec.name}; "
+                              f"teacher and student need the same dataset")
+        size = teacher.get("image_size") or self.spec.image_shape[0]
+        if (size, size, self.input_shape[2]) != tuple(self.input_shape):
+            raise ConfigError(f"--teacher_dir={directory} sees {size}x{size} images, the "
+                              f"student {self.input_shape[0]}x{self.input_shape[1]}; set "
+                              f"--image_size={size}")
+        try:
+            model = models.build(teacher["model"], self.num_classes(), self.input_shape,
+                                 tiny=teacher.get("model_size") == "tiny",
+                                 weights=weights_path,
+                                 options=teacher.get("model_options", ""))
+        except ValueError as err:
+            raise ConfigError(f"--teacher_dir={directory}: {err}") from err
+        model = adapt(model) if adapt else model
+        model.trainable = False  # not watched by the step's tape: no backward pass
+        self.teacher = model
+
+    def loss(self, batch: dict, outputs) -> tuple[tf.Tensor, dict[str, base.Metric]]:
+        cross_entropy, metrics = super().loss(batch, outputs)
+        student = classification.logits_of(outputs)
+        # Inference mode: the teacher's batch-norm uses its moving statistics, the
+        # same on every replica (training=True would normalize by each replica's
+        # own batch, and check_step fails).
+        teacher = tf.cast(classification.logits_of(
+            self.teacher(batch["image"], training=False)), student.dtype)
+        temperature, alpha = self.settings.distill_temperature, self.settings.distill_alpha
+        kl = temperature ** 2 * kl_at_temperature(teacher, student, temperature)
+        count = tf.reduce_sum(tf.ones_like(kl))
+        agree = classification.hits(teacher, tf.argmax(student, -1, output_type=tf.int32))
+        metrics.update(distill_kl=(tf.reduce_sum(kl), count),
+                       teacher_agreement=(tf.reduce_sum(agree), tf.cast(count, tf.float32)))
+        return alpha * cross_entropy + (1.0 - alpha) * kl, metrics
