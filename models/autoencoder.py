@@ -21,7 +21,7 @@ def _conv_bn(x, filters: int, strides: int = 1, transpose: bool = False):
 
 @models.register("conv_autoencoder", outputs=models.IMAGE)
 def build(input_shape: tuple[int, int, int] = (32, 32, 3), tiny: bool = False,
-          width: int = 64, code_channels: int = 16) -> keras.Model:
+          width: int = 32, code_channels: int = 16) -> keras.Model:
     """Args: width: the first convolution's filters (twice that at half size);
     code_channels: the bottleneck's channels at a quarter of the input's size."""
     if input_shape[0] % 4 or input_shape[1] % 4:

@@ -20,8 +20,9 @@ def _train(strategy, ema_decay, steps=3):
     dataset = tf.data.Dataset.from_tensors(_batch(8)).repeat()
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
     options = step.StepOptions(batch_size=8)
+    task = classification()
     distributed.make_train_loop(
-        strategy, lambda batch: step.train_step(model, optimizer, classification(), batch, options))(
+        strategy, lambda batch: step.train_step(model, optimizer, task, batch, options))(
         iterator, tf.constant(steps), tf.constant(0.0))
     return model, optimizer
 

@@ -111,10 +111,13 @@ def _sha(model_dir: str) -> str:
         return json.load(f)["weights_sha256"]
 
 
-# Mixup and CutMix on: their soft targets must also be a pure function of the step.
-RESUME = [*TINY, "--batch_size=128", "--train_steps=70", "--checkpoint_every=10",
-          "--steps_per_loop=1", "--eval_every=70", "--deterministic",
-          "--shuffle_buffer=4096", "--mixup_alpha=0.2", "--cutmix_alpha=1.0"]
+RESUME = [*TINY, "--batch_size=128", "--train_steps=40", "--checkpoint_every=10",
+          "--steps_per_loop=1", "--eval_every=40", "--deterministic",
+          "--shuffle_buffer=4096"]
+# A task that reads no labels (classification, with mixup and CutMix, is killed
+# repeatedly in tests/test_multi_worker.py).
+AUTOENCODER = ["--task=autoencoder", "--model=conv_autoencoder", "--optimizer=adam",
+               "--learning_rate=2e-3"]
 
 
 def _start(model_dir, *extra):
@@ -136,12 +139,12 @@ def _wait_for_checkpoint(model_dir, proc, at_least: int) -> None:
 
 def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(tmp_path):
     # Two replicas: the harder case (one replica is the in-process resume tests').
-    extra = ["--cpu_replicas=2"]
+    extra = ["--cpu_replicas=2", *AUTOENCODER]
     reference = _main(*RESUME, *extra, f"--model_dir={tmp_path / 'ref'}")
     assert reference.returncode == 0, reference.stderr[-2000:]
     killed_dir = str(tmp_path / "killed")
     proc = _start(killed_dir, *extra)
-    _wait_for_checkpoint(killed_dir, proc, random.Random().choice([10, 20, 30, 40]))
+    _wait_for_checkpoint(killed_dir, proc, random.Random().choice([10, 20]))
     time.sleep(random.random() * 0.2)  # mid-step, between checkpoints
     assert proc.poll() is None, "the run ended before the kill; make it longer"
     proc.send_signal(signal.SIGKILL)
@@ -149,7 +152,7 @@ def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(tmp_path):
     resumed = _main(*RESUME, *extra, f"--model_dir={killed_dir}")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     with open(os.path.join(killed_dir, "metrics.json")) as f:
-        assert 0 < json.load(f)["resumed_from_step"] < 70
+        assert 0 < json.load(f)["resumed_from_step"] < 40
     assert _sha(killed_dir) == _sha(str(tmp_path / "ref"))
 
 

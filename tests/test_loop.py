@@ -68,7 +68,8 @@ def test_a_two_output_model_trains_with_its_auxiliary_loss_and_exports_logits(
     np.testing.assert_allclose(result["probabilities"].numpy(), expected, atol=1e-5)
 
 
-def test_a_whole_run_and_its_resume_on_a_bucket_like_filesystem(tmp_path, monkeypatch):
+def test_a_whole_run_and_its_resume_on_a_bucket_like_filesystem(tmp_path, monkeypatch,
+                                                                 tmp_path_factory):
     """TFRecords and --model_dir on TensorFlow's in-memory ram:// (standing in for
     gs://): everything the run writes lands there, nothing on the local disk."""
     import tempfile
@@ -76,6 +77,10 @@ def test_a_whole_run_and_its_resume_on_a_bucket_like_filesystem(tmp_path, monkey
     from data import make_tfrecords
     from trainer.config import Config
     monkeypatch.chdir(tmp_path)  # a "ram:" folder made by mistake would land here
+    # A temporary directory of this test's own (other tests may run beside it).
+    private_temp = str(tmp_path_factory.mktemp("temp"))
+    monkeypatch.setattr(tempfile, "tempdir", private_temp)
+    monkeypatch.setenv("TMPDIR", private_temp)
     bucket = f"ram://{uuid.uuid4().hex}"
     rng = np.random.default_rng(0)
     for label, name in enumerate(("cats", "dogs")):

@@ -56,7 +56,7 @@ def test_two_workers_agree_with_each_other_and_with_one_worker(tmp_path):
                                            "metrics.json"))
 
 
-def test_a_dead_worker_stops_the_others_and_a_restart_resumes(tmp_path):
+def test_a_dead_worker_stops_the_others(tmp_path):
     model_dir = str(tmp_path / "run")
     args = [*EXACT, "--train_steps=100000", "--checkpoint_every=2",
             f"--model_dir={model_dir}"]
@@ -79,12 +79,7 @@ def test_a_dead_worker_stops_the_others_and_a_restart_resumes(tmp_path):
             or "[worker 0] error: lost another worker" in output), output[-3000:]
     assert not os.path.exists(f"/proc/{pids['0']}") or open(
         f"/proc/{pids['0']}/status").read().find("zombie") >= 0
-    step = int(tf.train.latest_checkpoint(model_dir).rsplit("-", 1)[1])
-    restart = _launch(*EXACT, f"--train_steps={step + 2}", "--checkpoint_every=2",
-                      f"--model_dir={model_dir}")
-    output = restart.communicate(timeout=400)[0]
-    assert restart.returncode == 0, output[-3000:]
-    assert f"at step {step}" in output
+    # (Restarting after a dead worker: test_repeated_kills_... below.)
 
 
 def test_repeated_kills_of_random_workers_end_bitwise_like_no_kill(tmp_path):
@@ -94,7 +89,7 @@ def test_repeated_kills_of_random_workers_end_bitwise_like_no_kill(tmp_path):
     args = ["--model=cifar_cnn", "--model_size=tiny", "--dataset=synthetic",
             "--batch_size=64", "--train_steps=160", "--steps_per_loop=1",
             "--checkpoint_every=10", "--eval_every=160", "--deterministic",
-            "--shuffle_buffer=1024", "--mixup_alpha=0.2"]
+            "--shuffle_buffer=1024", "--mixup_alpha=0.2", "--cutmix_alpha=1.0"]
     said = []
     kills, reference, killed = kill_resume.run(2, 2, str(tmp_path), args, max_wait=0.5,
                                                seed=None, say=said.append)

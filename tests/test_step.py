@@ -274,3 +274,105 @@ def test_step_options_take_every_same_named_config_field():
     assert options == step.StepOptions(batch_size=64, clip_grad_norm=2.0,
                                        grad_accum_steps=4, sam_rho=0.05,
                                        lookahead_every=5, total_steps=100)
+
+
+# --- two-pass steps: SAM ------------------------------------------------------------
+
+def _gradient(model, batch, weights=None):
+    """The global-mean cross-entropy gradient of `model` at `weights` (default its own)."""
+    if weights is not None:
+        model.set_weights(weights)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+            batch["label"], model(batch["image"]), from_logits=True))
+    return [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_sam_steps_with_the_gradient_at_the_perturbed_weights_by_hand(replicas):
+    rho = 0.05
+    strategy = mirrored() if replicas == 2 else _one_device()
+    trained, _, metrics = _train(strategy, learning_rate=1.0, sam_rho=rho)
+    batch, by_hand = _batch(), _no_bn_model()
+    start = by_hand.get_weights()
+    first = _gradient(by_hand, batch)
+    norm = np.sqrt(sum(np.sum(g * g) for g in first))
+    second = _gradient(by_hand, batch, [w + rho * g / norm for w, g in zip(start, first)])
+    for w0, w1, g in zip(start, trained.get_weights(), second):
+        np.testing.assert_allclose(w0 - w1, g, rtol=1e-4, atol=1e-6)
+    # The logged norm is that of the applied (second) gradient.
+    assert metrics["grad_norm"] == pytest.approx(
+        np.sqrt(sum(np.sum(g * g) for g in second)), rel=1e-5)
+
+
+def _bn_model():
+    init = keras.initializers.GlorotUniform(seed=3)
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, kernel_initializer=init)(inputs)
+    x = keras.layers.BatchNormalization(momentum=0.5)(x)
+    x = keras.layers.Flatten()(keras.layers.Activation("relu")(x))
+    return keras.Model(inputs, keras.layers.Dense(5, kernel_initializer=init)(x))
+
+
+def test_the_second_pass_leaves_the_weights_and_batch_norm_as_one_pass_does():
+    """With learning rate 0 a step changes only batch-norm's moving statistics:
+    with SAM the weights come back bitwise and the statistics hold the first
+    pass's update alone (a second update would move them twice as far)."""
+    plain, _, _ = _train(_one_device(), learning_rate=0.0, model_fn=_bn_model)
+    sam, _, _ = _train(_one_device(), learning_rate=0.0, model_fn=_bn_model,
+                       sam_rho=0.5)
+    for a, b in zip(plain.get_weights(), sam.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    moved = [v for v in _bn_model().non_trainable_weights if "moving_mean" in v.path]
+    assert not np.array_equal(moved[0].numpy(), step.moving_statistics(sam)[0].numpy())
+
+
+def test_clipping_after_sam_uses_the_second_gradients_norm():
+    clip = 0.01
+    trained, _, metrics = _train(mirrored(), learning_rate=1.0, sam_rho=0.05,
+                                 clip_grad_norm=clip)
+    assert metrics["grad_norm"] > 10 * clip
+    moved = [a - b for a, b in zip(_no_bn_model().get_weights(), trained.get_weights())]
+    assert np.sqrt(sum(np.sum(m * m) for m in moved)) == pytest.approx(clip, rel=1e-4)
+
+
+def test_a_non_finite_first_gradient_is_skipped_without_touching_the_weights():
+    bad = _batch()
+    bad["image"] = tf.tensor_scatter_nd_update(bad["image"], [[0, 0, 0, 0]], [np.nan])
+    trained, optimizer, metrics = _train(mirrored(), batches=[bad], sam_rho=0.05,
+                                         model_fn=_bn_model)
+    assert metrics["skipped"] == 1 and int(optimizer.iterations.numpy()) == 1
+    for a, b in zip(_bn_model().get_weights(), trained.get_weights()):
+        np.testing.assert_array_equal(a, b)  # weights and statistics, no NaN
+
+
+# --- metrics the wrapper sums -------------------------------------------------------
+
+def test_a_per_step_value_may_be_python_numbers_on_two_replicas():
+    """The documented (value, 1.0) of a per-step value, on 2 replicas (it used to
+    fail: a Python number cannot be reduced across replicas)."""
+    strategy = mirrored()
+    dataset = tf.data.Dataset.from_tensors(_batch()).repeat()
+    loop = distributed.make_train_loop(
+        strategy, lambda batch: {"constant": (0.5, 1.0), "helper": step.per_step(2.0)})
+    sums, _ = loop(iter(strategy.experimental_distribute_dataset(dataset)),
+                   tf.constant(3), tf.constant(0.0))
+    means = distributed.means(tf.nest.map_structure(lambda t: t.numpy(), sums))
+    assert means == {"constant": 0.5, "helper": 2.0}
+
+
+@pytest.mark.parametrize("value,message", [
+    (tf.constant(1.0), "'bad' is a tensor, not a (total, weight) pair"),
+    ((1.0, 2.0, 3.0), "'bad' is a tuple of 3, not a (total, weight) pair"),
+    ((1.0, tf.ones(3)), "'bad' has a weight of shape (3,)"),
+    (("x", 1.0), "'bad' has a string/float32 (total, weight)"),
+])
+def test_a_metric_the_wrapper_cannot_sum_is_one_line_naming_it(value, message):
+    from trainer.settings import message_of
+    strategy = _one_device()
+    dataset = tf.data.Dataset.from_tensors(_batch()).repeat()
+    loop = distributed.make_train_loop(strategy, lambda batch: {"bad": value})
+    with pytest.raises(distributed.StepContractError) as raised:
+        loop(iter(strategy.experimental_distribute_dataset(dataset)), tf.constant(1),
+             tf.constant(0.0))
+    assert message in message_of(raised.value) and "\n" not in message_of(raised.value)

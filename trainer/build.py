@@ -146,8 +146,9 @@ def build_run(config: Config, spec: sources.DatasetSpec, plan: Plan,
     training: also set data-initialised layers (patch whitening) from the first
     training images (unless the weights come from --weights or initial_weights) and
     build what the task trains with (a teacher); False for evaluation, whose
-    weights come from a checkpoint. adapt_model (check_step: synchronized batch-norm, no dropout, float64) is
-    applied to the model before initial_weights are set; adapt_fixed_model to the
+    weights come from a checkpoint. adapt_model (check_step: synchronized
+    batch-norm, no dropout, float64) is applied to the model before
+    initial_weights are set; adapt_fixed_model to the
     models a task uses without training them (a teacher)."""
     keras.mixed_precision.set_global_policy(precision)
     task = make_task(config, spec)

@@ -37,6 +37,7 @@ import models  # noqa: E402
 from trainer import build, config as config_lib, distributed, inputs  # noqa: E402
 from trainer import main as main_lib  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
+from trainer.settings import message_of  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -226,7 +227,7 @@ def main(argv: list[str]) -> None:
         config = main_lib.config_from_flags(FLAGS)
         result = run_check(config, FLAGS.check_steps, FLAGS.tolerance, devices=devices)
     except main_lib.USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)
     print(report(result, config, FLAGS.check_steps))
     sys.exit(0 if result.passed else 1)

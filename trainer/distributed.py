@@ -56,6 +56,8 @@ def _summable(replica_fn: Callable) -> Callable:
 
 
 def _describe(value) -> str:
+    if tf.is_tensor(value):
+        return "a tensor"
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)}"
     return f"a {type(value).__name__}"

@@ -24,6 +24,7 @@ from data import sources  # noqa: E402
 import models  # noqa: E402
 from trainer import checkpoints, config as config_lib, faults, loop, tasks  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
+from trainer.settings import message_of  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -122,7 +123,7 @@ def main(argv: list[str]) -> None:
             return
         loop.train_and_evaluate(config)
     except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)
     except faults.Preempted as err:
         print(f"stopped: {err}", file=sys.stderr)

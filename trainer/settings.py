@@ -8,6 +8,9 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A bad setting; commands print its one-line message and exit with status 2."""
+    # Exception's own constructor: raised while TensorFlow traces a function,
+    # autograph then keeps the type (else it becomes a StagingError).
+    __init__ = Exception.__init__
 
 
 def setting(default: Any, help: str) -> Any:  # noqa: A002 (absl's word for it)
@@ -31,3 +34,15 @@ def check_range(name: str, value: float, low: float | None = None,
                  else f"{'>' if low_open else '>='} {low:g}" if low is not None
                  else f"{'<' if high_open else '<='} {high:g}")
         raise ConfigError(f"--{name} must be {where}, got {value}")
+
+
+def message_of(error: BaseException) -> str:
+    """An error's own message: raised while TensorFlow traced a function, it is
+    the message under autograph's 'in user code:' frames (what a command prints as
+    its one `error:` line)."""
+    metadata = getattr(error, "ag_error_metadata", None)
+    if metadata is None:
+        return str(error).strip()
+    message = metadata.cause_message.strip()  # "TypeError: the message"
+    prefix = f"{type(error).__name__}: "
+    return message[len(prefix):] if message.startswith(prefix) else message

@@ -195,9 +195,8 @@ def log_setup(config, spec, runtime, plan, precision: str, jit: bool, schedule,
                  precision, "on" if jit else "off")
     logging.info("Step: %s", ", ".join(
         f"{name}={value}" for name, value in vars(step_options).items()))
-    settings = vars(config.task_options())
-    logging.info("Task: %s%s", config.task, f" ({', '.join(f'{k}={v}' for k, v in settings.items())})"
-                 if settings else "")
+    settings = ", ".join(f"{k}={v}" for k, v in vars(config.task_options()).items())
+    logging.info("Task: %s%s", config.task, f" ({settings})" if settings else "")
     logging.info("Model %s: %s parameters | data %s: %d train / %d eval examples | "
                  "%d steps (%d per epoch, %.2f epochs)", config.model,
                  f"{model.count_params():,}", config.dataset, plan.train_examples,

@@ -112,7 +112,8 @@ class Recorder:
         if not scored:
             return {}
         best = (max if self.task.higher_is_better else min)(scored, key=lambda r: r[key])
-        return {"best_step": best["step"], f"best_{key}": best[key], "best_metric": key}
+        return {"best_step": best["step"], f"best_{key}": best[key], "best_metric": key,
+                "higher_is_better": self.task.higher_is_better}
 
     def _write_metrics(self, values: dict) -> dict:
         values = {**values, **self.best(), "eval_history": self.eval_history,

@@ -95,7 +95,7 @@ class Distill(classification.Classification):
         except ValueError as err:
             raise ConfigError(f"--teacher_dir={directory}: {err}") from err
         model = adapt(model) if adapt else model
-        model.trainable = False  # not watched by the step's tape: no backward pass
+        model.trainable = False  # its weights are not the optimizer's
         self.teacher = model
 
     def loss(self, batch: dict, outputs) -> tuple[tf.Tensor, dict[str, base.Metric]]:
@@ -103,9 +103,10 @@ class Distill(classification.Classification):
         student = classification.logits_of(outputs)
         # Inference mode: the teacher's batch-norm uses its moving statistics, the
         # same on every replica (training=True would normalize by each replica's
-        # own batch, and check_step fails).
-        teacher = tf.cast(classification.logits_of(
-            self.teacher(batch["image"], training=False)), student.dtype)
+        # own batch, and check_step fails). No gradient flows into the teacher: its
+        # backward pass would cost twice its forward, for nothing.
+        teacher = tf.stop_gradient(tf.cast(classification.logits_of(
+            self.teacher(batch["image"], training=False)), student.dtype))
         temperature, alpha = self.settings.distill_temperature, self.settings.distill_alpha
         kl = temperature ** 2 * kl_at_temperature(teacher, student, temperature)
         count = tf.reduce_sum(tf.ones_like(kl))

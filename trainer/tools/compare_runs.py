@@ -3,11 +3,13 @@
     python -m trainer.tools.compare_runs --runs=runs/airbench_s0,runs/airbench_s1 \\
         [--groups=all_on=runs/a_s*,no_lookahead=runs/b_s*] [--target=0.92] [--plot=curves.png]
 
-Prints a Markdown table, one row per run (final test accuracy, training seconds,
-img/s, GFLOP/s, the first evaluation at or above --target and its training
-seconds), and with --groups one row per group (mean and spread over its runs, and
-the difference to the first group): an ablation table. --plot draws every run's
-test accuracy against training seconds. Paths may be on any TF filesystem.
+Prints a Markdown table, one row per run (the final value of --metric, default
+the metric that picked the runs' best weights, e.g. test_accuracy or an
+autoencoder's test_loss; training seconds, img/s, GFLOP/s, the first evaluation
+reaching --target and its training seconds), and with --groups one row per group
+(mean and spread over its runs, and the difference to the first group): an
+ablation table. --plot draws every run's metric against training seconds. Paths
+may be on any TF filesystem. Accuracies are shown in %.
 """
 import json
 import os
@@ -29,20 +31,38 @@ def load(run_dir: str) -> dict:
         return json.load(f)
 
 
-def first_at(metrics: dict, target: float) -> dict | None:
-    """The first evaluation whose test accuracy reaches `target`."""
-    return next((r for r in metrics["eval_history"] if r["test_accuracy"] >= target),
-                None)
+def metric_of(runs: list[dict], metric: str) -> tuple[str, bool]:
+    """(the metric to compare, whether higher is better): --metric, else the one
+    that picked the first run's best weights (runs before tasks: test_accuracy)."""
+    first = runs[0] if runs else {}
+    metric = metric or first.get("best_metric", "test_accuracy")
+    higher = first.get("higher_is_better", True) if metric == first.get(
+        "best_metric", "test_accuracy") else "loss" not in metric
+    return metric, higher
 
 
-def run_rows(runs: dict[str, dict], target: float) -> list[str]:
-    rows = [f"| run | test accuracy | train s | img/s | GFLOP/s | first eval >= "
-            f"{100 * target:.1f}% (epoch, train s) |",
-            "| --- | ---: | ---: | ---: | ---: | --- |"]
+def _shown(metric: str, value: float) -> float:
+    return 100 * value if "accuracy" in metric else value
+
+
+def first_at(metrics: dict, target: float, metric: str = "test_accuracy",
+             higher: bool = True) -> dict | None:
+    """The first evaluation whose `metric` reaches `target`."""
+    return next((r for r in metrics["eval_history"] if metric in r and (
+        r[metric] >= target if higher else r[metric] <= target)), None)
+
+
+def run_rows(runs: dict[str, dict], target: float, metric: str = "test_accuracy",
+             higher: bool = True) -> list[str]:
+    unit = "%" if "accuracy" in metric else ""
+    rows = [f"| run | {metric.replace('_', ' ')} | train s | img/s | GFLOP/s | first eval "
+            f"{'>=' if higher else '<='} {_shown(metric, target):.4g}{unit} (epoch, "
+            f"train s) |", "| --- | ---: | ---: | ---: | ---: | --- |"]
     for name, m in runs.items():
-        hit = first_at(m, target)
-        rows.append(f"| {name} | {100 * m['test_accuracy']:.2f}% | {m['train_seconds']:.0f} "
-                    f"| {m['images_per_second']:.0f} | {m.get('gflops_per_second', 0):.0f} | "
+        hit = first_at(m, target, metric, higher)
+        rows.append(f"| {name} | {_shown(metric, m[metric]):.4g}{unit} | "
+                    f"{m['train_seconds']:.0f} | {m['images_per_second']:.0f} | "
+                    f"{m.get('gflops_per_second', 0):.0f} | "
                     + (f"epoch {hit['epoch']:.1f}, {hit['train_seconds']:.0f} s |" if hit
                        else "not reached |"))
     return rows
@@ -53,13 +73,14 @@ def _mean_spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.2f} ± {spread:.2f}"
 
 
-def group_rows(groups: dict[str, list[dict]]) -> list[str]:
+def group_rows(groups: dict[str, list[dict]], metric: str = "test_accuracy") -> list[str]:
     """Mean ± standard deviation per group; the first group is the reference."""
-    rows = ["| variant | runs | test accuracy % | vs first | train s |",
+    unit = " %" if "accuracy" in metric else ""
+    rows = [f"| variant | runs | {metric.replace('_', ' ')}{unit} | vs first | train s |",
             "| --- | ---: | ---: | ---: | ---: |"]
     reference = None
     for name, members in groups.items():
-        accuracies = [100 * m["test_accuracy"] for m in members]
+        accuracies = [_shown(metric, m[metric]) for m in members]
         mean = statistics.mean(accuracies)
         reference = mean if reference is None else reference
         rows.append(f"| {name} | {len(members)} | {_mean_spread(accuracies)} | "
@@ -68,21 +89,23 @@ def group_rows(groups: dict[str, list[dict]]) -> list[str]:
     return rows
 
 
-def plot(runs: dict[str, dict], path: str, target: float) -> None:
-    from trainer.output import figures
+def plot(runs: dict[str, dict], path: str, target: float,
+         metric: str = "test_accuracy") -> None:
+    from trainer.output import figures, progress
     fig = figures.mpl_figure.Figure(figsize=(7, 4))
     ax = fig.subplots()
     for name, m in runs.items():
-        history = m["eval_history"]
+        history = [r for r in m["eval_history"] if metric in r]
         ax.plot([r["train_seconds"] for r in history],
-                [100 * r["test_accuracy"] for r in history], marker="o", label=name)
-    ax.axhline(100 * target, color="grey", linestyle="--", linewidth=1)
-    ax.set(xlabel="training seconds", ylabel="test accuracy %",
-           ylim=(max(0, 100 * target - 30), 100))
+                [_shown(metric, r[metric]) for r in history], marker="o", label=name)
+    ax.axhline(_shown(metric, target), color="grey", linestyle="--", linewidth=1)
+    ax.set(xlabel="training seconds", ylabel=metric.replace("_", " ")
+           + (" %" if "accuracy" in metric else ""))
+    if "accuracy" in metric:
+        ax.set(ylim=(max(0, 100 * target - 30), 100))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    with tf.io.gfile.GFile(path, "wb") as f:
-        f.write(figures.png_bytes(fig))
+    progress.write_atomically(path, figures.png_bytes(fig))
 
 
 def main(argv: list[str]) -> None:
@@ -101,20 +124,25 @@ def main(argv: list[str]) -> None:
             if not dirs:
                 raise FileNotFoundError(f"--groups: no metrics.json under {pattern}")
             groups[name] = [load(d) for d in dirs]
+        metric, higher = metric_of([*runs.values(), *(m for g in groups.values()
+                                                        for m in g)], FLAGS.metric)
+        if runs:
+            print("\n".join(run_rows(runs, FLAGS.target, metric, higher)) + "\n")
+        if groups:
+            print("\n".join(group_rows(groups, metric)))
     except (FileNotFoundError, tf.errors.NotFoundError, KeyError) as err:
         sys.exit(f"error: {err}")
-    if runs:
-        print("\n".join(run_rows(runs, FLAGS.target)) + "\n")
-    if groups:
-        print("\n".join(group_rows(groups)))
     if FLAGS.plot and runs:
-        plot(runs, FLAGS.plot, FLAGS.target)
+        plot(runs, FLAGS.plot, FLAGS.target, metric)
 
 
 if __name__ == "__main__":
     flags.DEFINE_string("runs", "", "Comma-separated run directories (model_dir).")
     flags.DEFINE_string("groups", "", "Comma-separated NAME=GLOB of run directories, "
                         "e.g. no_lookahead=runs/nolookahead_s*: an ablation table.")
-    flags.DEFINE_float("target", 0.92, "Accuracy whose first reaching is reported.")
+    flags.DEFINE_float("target", 0.92, "Value of --metric whose first reaching is "
+                       "reported (an accuracy as a fraction).")
+    flags.DEFINE_string("metric", "", "The eval metric to compare, e.g. test_accuracy "
+                        "(default: the one that picked the runs' best weights).")
     flags.DEFINE_string("plot", "", "Write the runs' accuracy-vs-seconds curves here.")
     app.run(main)
