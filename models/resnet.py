@@ -5,8 +5,9 @@ projection where the stage halves the size and doubles the width). The default,
 ResNet-20 (0.27M parameters), is a modern CIFAR-10 baseline that a CPU can train.
 
 `aux_head=True` adds an auxiliary classifier after the second stage (as Inception's
-auxiliary heads): the model then returns {"logits", "aux_logits"}; the training
-step adds the auxiliary loss, evaluation and serving use "logits".
+auxiliary heads): the model then returns {"logits", "aux_logits"} (registered as
+resnet_aux, outputs HEADS); the classification task adds the auxiliary loss,
+evaluation and serving use "logits".
 """
 import functools
 

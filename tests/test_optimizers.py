@@ -63,7 +63,7 @@ def test_optimizer_options_reach_the_constructor():
 
 def test_a_plain_keras_optimizer_is_refused_with_one_line():
     strategy = mirrored()
-    with pytest.raises(TypeError) as raised:
+    with pytest.raises(distributed.StepContractError) as raised:
         _trained(strategy, lambda model: keras.optimizers.SGD(0.1))
     message = message_of(raised.value)  # (raised while tracing the step)
     assert message.startswith("SGD is a plain Keras optimizer") and "\n" not in message

@@ -17,6 +17,8 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
+from trainer.settings import ConfigError
+
 
 def _averaging_optimizer(optimizer: keras.optimizers.Optimizer):
     """The optimizer holding the average (inside a LossScaleOptimizer, if any)."""
@@ -109,7 +111,7 @@ def lookahead_step(optimizer: keras.optimizers.Optimizer, every: int,
     Each replica pulls its own copies, no all-reduce: the weights are equal on all
     replicas, and batch-norm statistics are each replica's own, as in training."""
     if total_steps <= 0:
-        raise ValueError("lookahead needs the run's total_steps (the decay grows as "
+        raise ConfigError("lookahead needs the run's total_steps (the decay grows as "
                          "(step / total_steps)^3); StepOptions.total_steps is 0")
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     step = inner.iterations

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from data import pipeline, sources
 import models
-from trainer import averaging, inputs, optimizers, schedules, step, tasks
+from trainer import averaging, flops, inputs, optimizers, schedules, step, tasks
 from trainer.config import Config, ConfigError
 
 
@@ -80,8 +80,8 @@ def build_model(config: Config, spec: sources.DatasetSpec, task: tasks.Task,
     """The run's model (fresh, or --weights; `weights` overrides that), checked
     against the task: a model whose outputs do not fit is a one-line ConfigError.
     Call under the strategy's scope."""
-    task.check_kind(config.model)
     try:
+        task.check_kind(config.model)  # (an unknown model name: a ValueError)
         model = models.build(config.model, task.num_classes(),
                              inputs.image_shape(config, spec),
                              tiny=config.model_size == "tiny",
@@ -111,6 +111,14 @@ def build_optimizer(config: Config,
         averaging.add_lookahead(optimizer, model.trainable_variables
                                 + step.moving_statistics(model))
     return optimizer
+
+
+def init_from_data(model: keras.Model, config: Config, spec: sources.DatasetSpec) -> None:
+    """Sets layers initialised from the data, e.g. airbench's patch whitening, from
+    the first training images (a resumed run then restores them from the
+    checkpoint, like every weight; --weights brought them already)."""
+    if models.needs_data(model) and config.weights == "none":
+        models.init_from_data(model, inputs.init_images(config, spec))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,19 +161,28 @@ def build_run(config: Config, spec: sources.DatasetSpec, plan: Plan,
     keras.mixed_precision.set_global_policy(precision)
     task = make_task(config, spec)
     with strategy.scope():
-        model = build_model(config, spec, task)
+        # (evaluation: the weights come from a checkpoint, not from --weights)
+        model = build_model(config, spec, task, weights=None if training else "none")
         if adapt_model is not None:
             model = adapt_model(model)
         if initial_weights is not None:
             model.set_weights(initial_weights)
-        elif training and models.needs_data(model) and config.weights == "none":
-            # Layers set from the data, e.g. airbench's patch whitening (a resumed
-            # run then restores them from the checkpoint, like every weight;
-            # --weights brought them already).
-            models.init_from_data(model, inputs.init_images(config, spec))
+        elif training:
+            init_from_data(model, config, spec)
         if training:
             task.build(adapt_fixed_model)
         schedule = make_schedule(config, plan)  # a function of optimizer.iterations
         optimizer = build_optimizer(config, schedule, model, precision)
     step_options = step.StepOptions.from_config(config, total_steps=plan.total_steps)
     return Run(config, spec, plan, task, model, optimizer, schedule, step_options)
+
+
+def training_flops_per_image(run: Run) -> float:
+    """The float ops of one training step per image: 3 x the model's forward pass
+    (the backward is about twice the forward), plus what the task adds (a
+    teacher's forward pass), twice over with --sam_rho (two passes a step)."""
+    config, spec = run.config, run.spec
+    model = flops.training_flops_per_image(
+        lambda: build_model(config, spec, run.task, weights="none"),
+        inputs.image_shape(config, spec))
+    return (model + run.task.extra_flops_per_image()) * (2 if config.sam_rho else 1)

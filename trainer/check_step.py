@@ -33,7 +33,6 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from data import sources  # noqa: E402
-import models  # noqa: E402
 from trainer import build, config as config_lib, distributed, inputs  # noqa: E402
 from trainer import main as main_lib  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
@@ -128,24 +127,27 @@ def _global_batches(config: config_lib.Config, spec, num_steps: int) -> dict:
 
 
 def _train(strategy, config, spec, plan, initial_weights, data: dict, num_steps: int):
-    """(weight names, weights after the steps, metric means) of `num_steps` steps
-    of the run, built as training builds it, on `strategy`."""
+    """(names, values before and after the steps of the weights and the optimizer's
+    state, metric means) of `num_steps` steps of the run, built as training builds
+    it, on `strategy`."""
     run = build.build_run(
         config, spec, plan, strategy, precision="float64",
         initial_weights=initial_weights,
         adapt_model=lambda model: checkable(model, config.grad_accum_steps > 1),
         adapt_fixed_model=in_float64)
+    # The optimizer's state too: Adam's update hides a gradient summed twice (it is
+    # scale-invariant), its second moment does not. Its start (zeros; the weights'
+    # copies for an EMA or Lookahead's slow weights) is the baseline of its moves.
+    state = [v for v in run.optimizer.variables if "iteration" not in v.path]
+    variables = run.model.weights + state
+    before = [np.asarray(v.numpy(), np.float64) for v in variables]
     dataset = tf.data.Dataset.from_tensor_slices(data).batch(config.batch_size)
     dataset = dataset.with_options(_no_autoshard())
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
     train_loop = distributed.make_train_loop(strategy, run.train_step)
     sums, _ = train_loop(iterator, tf.constant(num_steps), tf.constant(0.0))
-    # The optimizer's state too: Adam's update hides a gradient summed twice (it is
-    # scale-invariant), its second moment does not.
-    state = [v for v in run.optimizer.variables if "iteration" not in v.path]
-    variables = run.model.weights + state
-    return ([v.path for v in variables], [np.asarray(v.numpy(), np.float64)
-                                          for v in variables],
+    return ([v.path for v in variables], before,
+            [np.asarray(v.numpy(), np.float64) for v in variables],
             distributed.means(tf.nest.map_structure(lambda t: t.numpy(), sums)))
 
 
@@ -169,6 +171,7 @@ def run_check(config: config_lib.Config, num_steps: int = 3,
     """Trains `num_steps` steps on 1 and on 2 replicas; compares. devices: two CPU
     device names (default: the host CPU split in two, before TF starts)."""
     devices = devices or strategy_lib.split_cpu(2)
+    policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("float32")
     keras.utils.set_random_seed(config.seed)
     spec = sources.get_spec(config.dataset)
@@ -176,14 +179,15 @@ def run_check(config: config_lib.Config, num_steps: int = 3,
     data = _global_batches(config, spec, num_steps)
     task = build.make_task(config, spec)
     model = build.build_model(config, spec, task)  # the run's initial weights
-    if models.needs_data(model) and config.weights == "none":
-        models.init_from_data(model, inputs.init_images(config, spec))
-    initial = model.get_weights()
-    names, one, one_metrics = _train(tf.distribute.OneDeviceStrategy(devices[0]), config,
-                                     spec, plan, initial, data, num_steps)
-    _, two, two_metrics = _train(strategy_lib.mirrored(tuple(devices[:2])), config, spec,
-                                 plan, initial, data, num_steps)
-    initial = initial + [np.zeros_like(v) for v in one[len(initial):]]  # optimizer: 0
+    build.init_from_data(model, config, spec)
+    try:
+        names, initial, one, one_metrics = _train(
+            tf.distribute.OneDeviceStrategy(devices[0]), config, spec, plan,
+            model.get_weights(), data, num_steps)
+        _, _, two, two_metrics = _train(strategy_lib.mirrored(tuple(devices[:2])), config,
+                                        spec, plan, model.get_weights(), data, num_steps)
+    finally:
+        keras.mixed_precision.set_global_policy(policy)  # (build_run set float64)
     moved = [np.linalg.norm(a - w0) for a, w0 in zip(one, initial)]
     apart = [np.linalg.norm(a - b) for a, b in zip(one, two)]
     per_variable = [(name, d / m if m > 0 else (0.0 if d == 0 else float("inf")))

@@ -16,11 +16,16 @@ import os
 from absl import logging
 import tensorflow as tf
 
+from trainer.output import progress
+
 RUN_CONFIG = "run_config.json"
+WEIGHTS_FILE = "model.weights.h5"       # the final (evaluated) weights
+BEST_WEIGHTS_FILE = "best.weights.h5"   # the weights of the best evaluation
 # What the checkpoint's variables depend on: another value would restore wrong
 # slots (Keras numbers the optimizer's variables; the EMA's come first). Unset and
 # empty are the same (runs older than a setting saved none).
-_MUST_MATCH = ("task", "model", "model_size", "dataset", "optimizer", "model_options")
+_MUST_MATCH = ("task", "model", "model_size", "dataset", "optimizer", "model_options",
+               "optimizer_options")
 # Settings whose on/off (> 0 or not) decides whether their variables exist.
 _MUST_MATCH_ON = ("ema_decay", "lookahead_every")
 
@@ -41,8 +46,9 @@ UNREADABLE = (IndexError, tf.errors.DataLossError, tf.errors.OutOfRangeError,
 
 
 def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True) -> None:
-    """Creates model_dir (if writable) and checks any previous run in it matches.
-    Any TensorFlow filesystem works (a local path, gs://..., ram://...)."""
+    """Creates model_dir (if writable), checks any previous run in it matches
+    (`check_previous_run`) and records this run's config. Any TensorFlow filesystem
+    works (a local path, gs://..., ram://...)."""
     try:
         tf.io.gfile.makedirs(model_dir)
     except tf.errors.OpError as err:
@@ -52,6 +58,15 @@ def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True) -
     if "://" not in model_dir and not os.access(model_dir, os.W_OK | os.X_OK):
         raise CheckpointError(f"--model_dir={model_dir} is not writable; choose "
                               f"another directory")
+    check_previous_run(model_dir, run_config)
+    if is_chief:  # atomic: other workers read it
+        progress.write_json(os.path.join(model_dir, RUN_CONFIG), run_config)
+
+
+def check_previous_run(model_dir: str, run_config: dict) -> None:
+    """CheckpointError unless model_dir is empty of runs or holds a run whose
+    checkpoints this one can continue (same model, task, data, optimizer, ...).
+    Reads only: called before the expensive set-up, and again before writing."""
     path = os.path.join(model_dir, RUN_CONFIG)
     if tf.io.gfile.exists(path):
         try:
@@ -69,11 +84,6 @@ def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True) -
                     f"--model_dir={model_dir} holds a run with {key}={before!r}, not "
                     f"{now!r}; use another --model_dir (the existing checkpoint is left "
                     f"untouched)")
-    if is_chief:  # atomic: other workers read it
-        tmp = path + ".tmp"
-        with tf.io.gfile.GFile(tmp, "w") as f:
-            json.dump(run_config, f, indent=2, sort_keys=True)
-        tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
 def _value(run_config: dict, key: str):

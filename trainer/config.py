@@ -16,7 +16,7 @@ from typing import Any
 from data import augment as augment_lib, sources
 import models
 from trainer import optimizers, recipes, schedules, tasks
-from trainer.settings import ConfigError, check_range, setting as _  # noqa: F401
+from trainer.settings import ConfigError, setting as _  # noqa: F401 (ConfigError: re-exported)
 
 STRATEGIES = ("auto", "tpu", "mirrored", "multi_worker", "one_device")
 PRECISIONS = ("auto", "float32", "mixed_bfloat16", "mixed_float16")
@@ -101,7 +101,7 @@ class Config:
     lookahead_decay: float = _(0.95, "Lookahead's per-step decay (see --lookahead_every).")
     ema_decay: float = _(0.0, "Weight averaging: keep an exponential moving average of "
                          "the weights with this per-step decay (e.g. 0.99), evaluate "
-                         "and save it; metrics also show the raw weights' accuracy (0: "
+                         "and save it; metrics also show the raw weights' (0: "
                          "off).")
     # --- devices ---
     tpu: str | None = _(None, "TPU name, grpc:// address, or 'local' (TPU VM). If none "

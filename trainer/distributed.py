@@ -21,38 +21,40 @@ class StepContractError(ConfigError):
     """A step returned something the wrapper cannot sum (one line, exit 2)."""
 
 
-def _summable(replica_fn: Callable) -> Callable:
-    """`replica_fn` with its metrics checked and made tensors: a Python number
-    (e.g. the weight 1.0 of a per-step value) becomes a tensor of this replica's,
-    which strategy.reduce can sum; anything else that is not a (total, weight)
-    pair of numbers is a StepContractError naming the key (at trace time)."""
-    def checked(batch):
-        metrics = replica_fn(batch)
-        if not isinstance(metrics, dict):
-            raise StepContractError(f"the step returned {type(metrics).__name__}, not a "
-                                    f"dict of name: (total, weight)")
-        summable = {}
-        for key, value in metrics.items():
-            try:
-                total, weight = value
-                total, weight = (tf.convert_to_tensor(v) for v in (total, weight))
-            except (TypeError, ValueError) as err:
-                raise StepContractError(
-                    f"the step's metric {key!r} is {_describe(value)}, not a (total, "
-                    f"weight) pair of numbers; return (sum over this replica's examples, "
-                    f"their count), or step.per_step(value) for a value per step") from err
-            if not (total.dtype.is_floating or total.dtype.is_integer) or not (
-                    weight.dtype.is_floating or weight.dtype.is_integer):
-                raise StepContractError(f"the step's metric {key!r} has a {total.dtype.name}"
-                                        f"/{weight.dtype.name} (total, weight); both must "
-                                        f"be numbers")
-            if weight.shape.rank != 0:
-                raise StepContractError(f"the step's metric {key!r} has a weight of shape "
-                                        f"{weight.shape}; the weight must be one number")
-            as_float = lambda t: t if t.dtype.is_floating else tf.cast(t, tf.float32)  # noqa: E731
-            summable[key] = (as_float(total), as_float(weight))
-        return summable
+def summable(metrics, source: str = "the step") -> Sums:
+    """`metrics` checked and made tensors: a Python number (e.g. the weight 1.0 of
+    a per-step value) becomes a tensor of this replica's, which strategy.reduce can
+    sum; anything that is not a dict of (total, weight) pairs of numbers is a
+    StepContractError naming the key (raised at trace time: one `error:` line)."""
+    if not isinstance(metrics, dict):
+        raise StepContractError(f"{source} returned {type(metrics).__name__}, not a dict "
+                                f"of name: (total, weight)")
+    checked = {}
+    for key, value in metrics.items():
+        try:
+            total, weight = value
+            total, weight = (tf.convert_to_tensor(v) for v in (total, weight))
+        except (TypeError, ValueError) as err:
+            raise StepContractError(
+                f"{source}'s metric {key!r} is {_describe(value)}, not a (total, weight) "
+                f"pair of numbers; return (sum over this replica's examples, their "
+                f"count), or step.per_step(value) for a value per step") from err
+        if not (total.dtype.is_floating or total.dtype.is_integer) or not (
+                weight.dtype.is_floating or weight.dtype.is_integer):
+            raise StepContractError(f"{source}'s metric {key!r} has a {total.dtype.name}/"
+                                    f"{weight.dtype.name} (total, weight); both must be "
+                                    f"numbers")
+        if weight.shape.rank != 0:
+            raise StepContractError(f"{source}'s metric {key!r} has a weight of shape "
+                                    f"{weight.shape}; the weight must be one number")
+        as_float = lambda t: t if t.dtype.is_floating else tf.cast(t, tf.float32)  # noqa: E731
+        checked[key] = (as_float(total), as_float(weight))
     return checked
+
+
+def _summable(replica_fn: Callable) -> Callable:
+    """`replica_fn` with its metrics checked and made tensors (`summable`)."""
+    return lambda batch: summable(replica_fn(batch))
 
 
 def _describe(value) -> str:

@@ -29,6 +29,7 @@ from data import sources  # noqa: E402
 from trainer import averaging, build, checkpoints, distributed, evaluation  # noqa: E402
 from trainer import config as config_lib, inputs, main as main_lib  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
+from trainer.settings import message_of  # noqa: E402
 from trainer.output import progress as progress_lib, summaries  # noqa: E402
 from trainer.output import recorder as recorder_lib  # noqa: E402
 
@@ -134,11 +135,8 @@ def evaluate_checkpoints(model_dir: str, output_dir: str, checkpoint: str | None
             logging.warning("skipped %s: %s", path, str(err).splitlines()[0][:200])
             return
         logging.info("%s (step %d, epoch %.2f): %s  (%d examples)", result["checkpoint"],
-                     result["step"], result["epoch"], "  ".join(
-                         f"{key.replace('_', ' ', 1)} {value:.4f}"
-                         for key, value in result.items()
-                         if key.startswith("test_") and isinstance(value, float)),
-                     result["test_examples"])
+                     result["step"], result["epoch"],
+                     progress_lib.format_test_metrics(result), result["test_examples"])
         records.append(result)
         writer.eval(result)
         progress_lib.write_json(os.path.join(output_dir, EVALUATIONS_FILE),
@@ -192,8 +190,8 @@ def main(argv: list[str]) -> None:
     try:
         records = evaluate_checkpoints(FLAGS.model_dir, output_dir, FLAGS.checkpoint,
                                        FLAGS.watch, FLAGS.timeout, FLAGS.data_dir)
-    except (checkpoints.CheckpointError, sources.DatasetError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except main_lib.USER_ERRORS as err:
+        print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)
     print(f"evaluated {len(records)} checkpoint(s); wrote {output_dir}")
     if not records:

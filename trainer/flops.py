@@ -12,9 +12,15 @@ import tensorflow as tf
 def training_flops_per_image(make_model: Callable[[], keras.Model],
                              shape: tuple[int, ...]) -> float:
     """3 x the forward pass's float ops (the backward pass is about twice the
-    forward) of a fresh model from `make_model` (the run's own builder), counted
-    by TF's profiler on the frozen inference graph at batch 1. Multiply-adds count
-    2, as in the speed records' FLOP counts."""
+    forward) of a fresh model from `make_model` (the run's own builder)."""
+    return 3.0 * forward_flops_per_image(make_model, shape)
+
+
+def forward_flops_per_image(make_model: Callable[[], keras.Model],
+                            shape: tuple[int, ...]) -> float:
+    """The float ops of one forward pass of a fresh model from `make_model`,
+    counted by TF's profiler on the frozen inference graph at batch 1.
+    Multiply-adds count 2, as in the speed records' FLOP counts."""
     from tensorflow.python.framework import convert_to_constants
     from tensorflow.python.util import deprecation
     model = make_model()
@@ -25,7 +31,7 @@ def training_flops_per_image(make_model: Callable[[], keras.Model],
     profile_options["output"] = "none"
     with deprecation.silence():  # the v1 profiler warns about its own internals
         info = tf.compat.v1.profiler.profile(graph=graph, options=profile_options)
-    return 3.0 * info.total_float_ops
+    return float(info.total_float_ops)
 
 
 def peak_flops(precision: str, n: int = 2048, repeats: int = 20) -> float:

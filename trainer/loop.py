@@ -81,6 +81,7 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
         tf.config.experimental.enable_op_determinism()
 
     # --- How much data, how many steps ----------------------------------------------
+    checkpoints.check_previous_run(config.model_dir, config.as_dict())  # (reads only)
     spec = sources.get_spec(config.dataset)
     plan = build.plan(config, spec, runtime.num_replicas)
     profile = (config_lib.profile_range(config.profile_steps) if config.profile_steps
@@ -102,9 +103,7 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     progress_lib.log_setup(config, spec, runtime, plan, precision, jit, schedule, model,
                            run.step_options)
     # The step's arithmetic, counted once, for the GFLOP/s of every log line.
-    flops_per_image = flops.training_flops_per_image(
-        lambda: build.build_model(config, spec, task, weights="none"),
-        inputs.image_shape(config, spec))
+    flops_per_image = build.training_flops_per_image(run)
     peak = (flops.run_peak_flops(precision, strategy, runtime.device_kind)
             if config.measure_peak else 0.0)
     logging.info("%.0f MFLOP per training image%s", flops_per_image / 1e6,
@@ -157,11 +156,9 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
 
     def record_evaluation(at_step: int) -> None:
         result = evaluate()
-        scalars = "  ".join(f"{key.replace('_', ' ', 1)} {value:.4f}"
-                            for key, value in result.items()
-                            if key.startswith("test_") and isinstance(value, float))
         logging.info("eval at step %d (epoch %.2f): %s  (%d examples)", at_step,
-                     at_step / plan.steps_per_epoch, scalars, result["test_examples"])
+                     at_step / plan.steps_per_epoch,
+                     progress_lib.format_test_metrics(result), result["test_examples"])
         record = recorder.eval({"step": at_step, "epoch": at_step / plan.steps_per_epoch,
                                 "wall_seconds": wall.elapsed(),
                                 "train_seconds": progress.train_seconds, **result})

@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 import models
+from trainer import distributed
 
 # Constructor arguments set from the run's own flags, or that would fight the step.
 _SET_BY_FLAGS = {"learning_rate": "the schedule (--learning_rate, --lr_schedule)",
@@ -195,7 +196,7 @@ def apply_or_skip(optimizer: keras.optimizers.Optimizer, gradients: list, variab
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if not isinstance(inner, _SummedGradients):
-        raise TypeError(
+        raise distributed.StepContractError(
             f"{type(inner).__name__} is a plain Keras optimizer: its apply() would sum "
             f"the already-summed gradients over the replicas a second time; make it "
             f"with trainer.optimizers.create({type(inner).__name__.lower()!r}, ...) or "

@@ -9,8 +9,9 @@ A new metric is one more key in the dict a step returns: the log line,
 TensorBoard and metrics.json show every key. Check a changed step with
 `python -m trainer.check_step`.
 
-Batches are dicts: "image", "label" (int class), optionally "target" (soft targets
-[B, classes], e.g. from mixup) and, in evaluation, "mask" (0 for padding).
+Batches are dicts from the data pipeline: "image", "label" (int; a task that reads
+no labels ignores it), optionally "target" (soft targets [B, classes], from mixup)
+and, in evaluation, "mask" (0 for padding).
 Metrics are (total, weight) pairs summed over replicas and steps; what is shown is
 total / weight, so sums over examples and per-step values (`per_step`) both come
 out right.
@@ -20,11 +21,12 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from trainer import averaging, optimizers
+from trainer import averaging, distributed, optimizers
 from trainer.tasks import Task
+from trainer.tasks.base import Metric  # (total, weight): shown as total / weight
 
-Metric = tuple[tf.Tensor, tf.Tensor]  # (total, weight): shown as total / weight
 SUM = tf.distribute.ReduceOp.SUM
+STEP_METRICS = ("loss", "grad_norm", "skipped")  # the step's own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,12 @@ def _forward_backward(model, optimizer, task: Task, batch: dict, options: StepOp
     with tf.GradientTape() as tape:
         outputs = model(batch["image"], training=True)
         per_example_loss, metrics = task.loss(batch, outputs)
+        metrics = distributed.summable(metrics, f"task {task.name}'s loss")
+        if set(metrics) & set(STEP_METRICS):
+            raise distributed.StepContractError(
+                f"task {task.name}'s loss returned a metric named "
+                f"{sorted(set(metrics) & set(STEP_METRICS))[0]!r}, which the step "
+                f"reports itself; give it another name")
         loss = _mean_over_global_batch(per_example_loss, options)
         if model.losses:  # weight regularizers: every replica and micro-batch adds them
             loss += tf.nn.scale_regularization_loss(

@@ -31,10 +31,10 @@ def schedule(points: list[tuple[int, float]], steps_per_epoch: int,
     return fig
 
 
-def new_figure(samples_count: int, columns: int = 10) -> mpl_figure.Figure:
-    """An empty figure sized for a grid of `samples_count` image tiles."""
-    columns = min(columns, samples_count)
-    rows = -(-samples_count // columns)
+def new_figure(tiles: int, columns: int = 10) -> mpl_figure.Figure:
+    """An empty figure sized for a grid of `tiles` image tiles."""
+    columns = min(columns, tiles)
+    rows = -(-tiles // columns)
     return mpl_figure.Figure(figsize=(1.6 * columns, 1.8 * rows), layout="constrained")
 
 
@@ -62,7 +62,9 @@ def write_png(path: str, image) -> None:
     progress.write_atomically(path, tf.io.encode_png(np.asarray(image, np.uint8)).numpy())
 
 
-def _name(class_names, index: int) -> str:
+def name_of(class_names, index: int) -> str:
+    """Class `index`'s name, or the number if there are fewer names."""
+    index = int(index)
     return class_names[index] if index < len(class_names) else str(index)
 
 
@@ -74,7 +76,7 @@ def confusion(matrix: np.ndarray, class_names, title: str = "") -> mpl_figure.Fi
     fig = mpl_figure.Figure(figsize=(size, size), layout="constrained")
     ax = fig.subplots()
     ax.imshow(shares, cmap="Blues", vmin=0, vmax=1)
-    names = [_name(class_names, i) for i in range(len(matrix))]
+    names = [name_of(class_names, i) for i in range(len(matrix))]
     ax.set_xticks(range(len(names)), names, rotation=90, fontsize=8)
     ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.set(xlabel="predicted", ylabel="true", title=title or "confusion matrix")

@@ -113,6 +113,13 @@ class Progress:
                 "gflops_per_second": rate * self.flops_per_image / 1e9}
 
 
+def format_test_metrics(result: dict) -> str:
+    """'test loss 0.5316  test accuracy 0.8860 ...': every scalar test_ metric of an
+    evaluation, in the order the task returns them."""
+    return "  ".join(f"{key.replace('_', ' ', 1)} {value:.4f}" for key, value in
+                     result.items() if key.startswith("test_") and isinstance(value, float))
+
+
 def _format(means: dict[str, float]) -> str:
     return "  ".join(f"{key} {value:.4f}" for key, value in means.items())
 

@@ -1,5 +1,5 @@
-"""The live progress bar on a terminal: one tqdm bar per epoch showing step, loss,
-accuracy, learning rate, images/sec and the ETA of the epoch and of the whole run.
+"""The live progress bar on a terminal: one tqdm bar per epoch showing step, every
+metric the step returns, learning rate, images/sec and the ETA of the epoch and of the whole run.
 
 tqdm (already a dependency of tensorflow-datasets) handles terminal width, redraw
 rate and the ETA arithmetic better than a hand-written bar would. Off a terminal

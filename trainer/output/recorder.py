@@ -95,7 +95,8 @@ class Recorder:
                 self.train_history, self.eval_history, schedule_points, steps_per_epoch,
                 tuple(dict.fromkeys(("loss", task.curve_metric, task.best_metric))),
                 (task.best_metric, task.higher_is_better),
-                (lambda figure: task.draw_samples(figure, samples)) if samples else None,
+                (lambda figure: task.draw_samples(figure, samples))
+                if samples and task.draws_samples() else None,
                 f"{self.title}: {self.describe(metrics)} (best {best:.4f}), "
                 f"{metrics['train_seconds']:.0f} s of training")
             path = os.path.join(self.model_dir, SUMMARY_FILE)

@@ -24,6 +24,7 @@ import tensorflow as tf  # noqa: E402
 from data import augment, sources  # noqa: E402
 from trainer import checkpoints, main as main_lib  # noqa: E402
 from trainer.serving import inference  # noqa: E402
+from trainer.settings import message_of  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -41,11 +42,8 @@ def serving_functions(trained: inference.TrainedModel) -> dict:
     """name -> (function, input signature) for the SavedModel."""
     size, task, model = trained.image_size, trained.task, trained.model
 
-    def serve(images):  # uint8 at the model's size
-        return task.serve(task.predict(model, task.normalize(images)))
-
     def predict_images(images):
-        return serve(_to_model_size(images, size))
+        return task.serve_images(model, _to_model_size(images, size))
 
     def decode_one(data):
         image = tf.io.decode_image(data, channels=3, expand_animations=False)
@@ -54,7 +52,7 @@ def serving_functions(trained: inference.TrainedModel) -> dict:
     def serve_bytes(image_bytes):
         images = tf.map_fn(decode_one, image_bytes,
                            fn_output_signature=tf.TensorSpec([size, size, 3], tf.uint8))
-        return serve(images)
+        return task.serve_images(model, images)
 
     return {"serving_default": (serve_bytes, [tf.TensorSpec([None], tf.string,
                                                             name="image_bytes")]),
@@ -97,7 +95,7 @@ def main(argv: list[str]) -> None:
         path = export(FLAGS.model_dir, FLAGS.export_dir)
     except (inference.InferenceError, sources.DatasetError, checkpoints.CheckpointError,
             ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)
     print(f"wrote SavedModel {path} (signatures: serving_default(image_bytes), "
           f"predict_images(images))")

@@ -12,10 +12,9 @@ import numpy as np
 import tensorflow as tf
 
 from data import augment, sources
-from trainer import build, checkpoints, config as config_lib
+from trainer import build, checkpoints, config as config_lib, inputs
 
-WEIGHTS_FILE = "model.weights.h5"
-BEST_WEIGHTS_FILE = "best.weights.h5"  # the weights of the best evaluation
+WEIGHTS_FILE, BEST_WEIGHTS_FILE = checkpoints.WEIGHTS_FILE, checkpoints.BEST_WEIGHTS_FILE
 
 
 class InferenceError(RuntimeError):
@@ -56,7 +55,7 @@ class TrainedModel:
         with tf.io.gfile.GFile(config_path) as f:
             self.config = config_lib.from_dict(json.load(f))
         self.spec = _dataset_spec(self.config.dataset, model_dir)
-        self.image_size = self.config.image_size or self.spec.image_shape[0]
+        self.image_size = inputs.image_shape(self.config, self.spec)[0]
         keras.mixed_precision.set_global_policy("float32")  # CPU inference
         self.task = build.make_task(self.config, self.spec)
         self.model = build.build_model(self.config, self.spec, self.task, weights="none")
@@ -66,8 +65,8 @@ class TrainedModel:
         """The task's serving outputs (e.g. class probabilities) for images of any
         size, resized and normalized as evaluation does."""
         batch = np.stack([resize_uint8(image, self.image_size) for image in images])
-        served = self.task.serve(self.task.predict(self.model, self.task.normalize(batch)))
-        return {key: np.asarray(value) for key, value in served.items()}
+        return {key: np.asarray(value)
+                for key, value in self.task.serve_images(self.model, batch).items()}
 
 
 def _dataset_spec(name: str, model_dir: str) -> sources.DatasetSpec:

@@ -24,6 +24,7 @@ import tensorflow as tf  # noqa: E402
 
 from data import sources  # noqa: E402
 from trainer import checkpoints, config as config_lib, main as main_lib, recipes  # noqa: E402
+from trainer import tasks  # noqa: E402
 from trainer.serving import inference  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -62,11 +63,7 @@ def run(args: Options) -> list[str]:
     trained = inference.TrainedModel(args.model_dir)
     if args.index is not None:
         spec = sources.get_spec(args.dataset or trained.config.dataset)
-        if spec.num_classes != trained.spec.num_classes:
-            raise inference.InferenceError(
-                f"{spec.name} has {spec.num_classes} classes but the model in "
-                f"{args.model_dir} was trained on {trained.spec.name} "
-                f"({trained.spec.num_classes}); pick a matching --dataset")
+        trained.task.check_data(spec)
         split = args.split or spec.eval_split
         image, label = _dataset_image(spec, split, args.index, args.data_dir)
         items = [(f"{spec.name} {split} image {args.index} "
@@ -81,12 +78,11 @@ def run(args: Options) -> list[str]:
              f"{trained.spec.name} (from {args.model_dir}), input "
              f"{trained.image_size}x{trained.image_size}"]
     served = trained.serve([image for _, image, _, _ in items])
-    extra = {"top": args.top} if args.top else {}
     for row, (title, image, example, stem) in enumerate(items):
         lines += trained.task.report(
             {key: value[row] for key, value in served.items()}, title,
             inference.resize_uint8(image, trained.image_size), example,
-            os.path.join(output_dir, stem), **extra)
+            os.path.join(output_dir, stem), top=args.top or 5)
     return lines
 
 
@@ -95,9 +91,12 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     --dataset, --model_dir and --data_dir share their names and types with
     trainer.main's: in one process, whichever command defined them first owns them."""
     main_lib.define_flag(flag_values, flags.DEFINE_string, "model_dir", "", "A finished run's "
-               "directory (default: runs/<--model>_<dataset>, as trainer.main names "
-               "it, the dataset being --dataset or the model's recipe's).")
+               "directory (default: the one trainer.main trains --task and --model in, "
+               "runs/<model>_<dataset>[_<task>], the dataset being --dataset or the "
+               "recipe's).")
     main_lib.define_flag(flag_values, flags.DEFINE_string, "model", config_lib.Config().model,
+               "Only to find the default --model_dir.")
+    main_lib.define_flag(flag_values, flags.DEFINE_string, "task", config_lib.Config().task,
                "Only to find the default --model_dir.")
     main_lib.define_flag(flag_values, flags.DEFINE_string, "dataset", "", "The dataset of "
                "--index (default: the run's own).")
@@ -114,12 +113,17 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                "<model_dir>/predictions).")
 
 
-def default_model_dir(model: str, dataset: str = "") -> str:
-    """The directory trainer.main trains `model` in when no --model_dir is given:
-    on `dataset`, or by default on the model's recipe's dataset."""
-    dataset = dataset or recipes.RECIPES.get(model, {}).get(
-        "dataset", config_lib.Config().dataset)
-    return config_lib.default_model_dir(model, dataset)
+def default_model_dir(model: str = "", dataset: str = "",
+                      task: str = "classification") -> str:
+    """The directory trainer.main trains `task` in when no --model_dir is given, as
+    it resolves the recipes: the model and dataset given ("": the task's or the
+    model's recipe's, else the defaults)."""
+    default = config_lib.Config()
+    explicit = {name for name, value in (("model", model), ("dataset", dataset)) if value}
+    values, _ = recipes.resolve({**default.as_dict(), "model": model or default.model,
+                                 "dataset": dataset or default.dataset}, explicit,
+                                tasks.get(task).recipe)
+    return config_lib.default_model_dir(values["model"], values["dataset"], task)
 
 
 def options_from_flags(images: list[str],
@@ -132,9 +136,10 @@ def options_from_flags(images: list[str],
     # Read as given: in a process with trainer.main's flags, --dataset may be its
     # flag, whose default is a dataset rather than "the run's own".
     dataset = flag_values.dataset if flag_values["dataset"].present else ""
+    model = flag_values.model if flag_values["model"].present else ""
     return Options(images=tuple(images), dataset=dataset, index=index,
                    model_dir=flag_values.model_dir or default_model_dir(
-                       flag_values.model, dataset),
+                       model, dataset, flag_values.task),
                    split=flag_values.split, data_dir=flag_values.data_dir,
                    top=flag_values.top, output_dir=flag_values.output_dir)
 

@@ -19,6 +19,12 @@ from trainer.settings import ConfigError, setting
 from trainer.tasks import base
 
 
+def psnr_of_pixels(image: np.ndarray, reconstruction: np.ndarray) -> float:
+    """PSNR in dB between two uint8 images."""
+    squared = np.mean((reconstruction.astype(np.float64) - image) ** 2)
+    return float(10 * np.log10(255.0 ** 2 / max(squared, 1e-10)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     reconstruction_loss: str = setting("mse", "autoencoder: mse|l1, the per-pixel "
@@ -37,6 +43,7 @@ class Autoencoder(base.Task):
     batch_keys = ("image",)
     model_outputs = (models.IMAGE,)
     best_metric, higher_is_better, curve_metric = "loss", False, "psnr"
+    tiles_per_sample = 2  # the input and its reconstruction
     recipe = dict(model="conv_autoencoder", dataset="cifar10", batch_size=256,
                   optimizer="adam", learning_rate=2e-3, lr_schedule="cosine",
                   warmup_epochs=0.5, epochs=10, augment="translate_flip")
@@ -75,21 +82,19 @@ class Autoencoder(base.Task):
                                           tf.uint8)}
 
     def report(self, served: dict, title: str, image: np.ndarray, example: dict | None,
-               output_stem: str) -> list[str]:
+               output_stem: str, top: int = 5) -> list[str]:
         """Writes the reconstruction to output_stem.png; its PSNR against the input."""
         reconstruction = served["reconstruction"]
         path = f"{output_stem}.png"
         figures.write_png(path, reconstruction)
-        squared = np.mean((reconstruction.astype(np.float64) - image) ** 2)
-        psnr = 10 * np.log10(255.0 ** 2 / max(squared, 1e-10))
-        return [title, f"  reconstruction: {path}  (PSNR {psnr:.2f} dB against the "
-                       f"input at {image.shape[1]}x{image.shape[0]})"]
+        return [title, f"  reconstruction: {path}  (PSNR "
+                       f"{psnr_of_pixels(image, reconstruction):.2f} dB against the input "
+                       f"at {image.shape[1]}x{image.shape[0]})"]
 
     def draw_samples(self, figure, samples: dict) -> None:
         """Each input beside its reconstruction, titled with its PSNR."""
         images, titles = [], []
         for image, reconstruction in zip(samples["image"], samples["reconstruction"]):
-            squared = np.mean((reconstruction.astype(np.float64) - image) ** 2)
             images += [image, reconstruction]
-            titles += ["input", f"{10 * np.log10(255.0 ** 2 / max(squared, 1e-10)):.1f} dB"]
+            titles += ["input", f"{psnr_of_pixels(image, reconstruction):.1f} dB"]
         figures.image_grid(figure, np.stack(images), titles, columns=10)

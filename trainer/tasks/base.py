@@ -28,14 +28,16 @@ Per replica, inside the compiled step (tensors in, tensors out):
 
 Outside the step (eager numpy, or the SavedModel's graph for `serve`):
 - `check_kind(model_name)`, `check(model_name, model)`: one-line ConfigError if
-  the model (declared, then built) does not fit.
+  the model (declared, then built) does not fit; `check_data(spec)`: if another
+  dataset does not (predict --index).
 - `build(adapt)`: under the strategy's scope, make what the task needs besides
   the model (distill: its teacher); `adapt` is applied to any such model.
+  `extra_flops_per_image()`: the arithmetic that adds to the step (the teacher's).
 - `serve(predictions)`: the outputs of predict and of the exported SavedModel.
-- `report(served, title, image, example, output_stem)`: predict's lines for one
-  image (`served`: its row of `serve`; `image`: the uint8 input at the model's
+- `report(served, title, image, example, output_stem, top)`: predict's lines for
+  one image (`served`: its row of `serve`; `image`: the uint8 input at the model's
   size; `example`: the dataset example, or None for a file; `output_stem`: where
-  it may write a file, without extension).
+  it may write a file, without extension; `top`: how many items to list).
 - `sample_predictions(model, samples)`, `draw_samples(figure, samples)`,
   `pictures(samples, details, title)`: the evaluation pictures (TensorBoard,
   summary.png); `samples` holds the first eval examples ("image" uint8, ...).
@@ -69,6 +71,7 @@ class Task:
     best_metric: ClassVar[str] = "loss"
     higher_is_better: ClassVar[bool] = False
     curve_metric: ClassVar[str] = "loss"
+    tiles_per_sample: ClassVar[int] = 1  # image tiles draw_samples draws per example
     recipe: ClassVar[dict] = {}
 
     def __init__(self, settings: Any, spec: sources.DatasetSpec,
@@ -101,8 +104,14 @@ class Task:
         """ConfigError (one line) unless the built model outputs what this task
         reads, in exactly the shape it compares it with."""
         self.check_kind(model_name)
-        kind = models.entry(model_name).outputs
-        output = model.output["logits"] if kind == models.HEADS else model.output
+        output = model.output
+        if isinstance(output, dict):  # (also where --model_options added heads)
+            if "logits" not in output or models.HEADS not in self.model_outputs:
+                raise ConfigError(
+                    f"{model_name} outputs a dict of {sorted(output)}; task {self.name} "
+                    f"reads " + (" or ".join(models.OUTPUT_KINDS[k]
+                                            for k in self.model_outputs)))
+            output = output["logits"]
         shape = tuple(output.shape[1:])
         if shape != self.expected_output_shape():
             raise ConfigError(
@@ -110,8 +119,17 @@ class Task:
                 f"compares it with {self.expected_output_shape()}; change the model's "
                 f"output (or --image_size) so they match exactly")
 
+    def check_data(self, spec: sources.DatasetSpec) -> None:
+        """ConfigError if another dataset's examples do not fit this run (predict
+        --index on another dataset)."""
+
     def build(self, adapt: Callable[[keras.Model], keras.Model] | None = None) -> None:
         """Makes what the task needs besides the model (under the strategy's scope)."""
+
+    def extra_flops_per_image(self) -> float:
+        """Float ops the task's loss adds per training image (a teacher's forward
+        pass), for the GFLOP/s of the log lines."""
+        return 0.0
 
     # --- per replica, in the step ----------------------------------------------------
 
@@ -131,24 +149,33 @@ class Task:
         raise NotImplementedError
 
     def report(self, served: dict[str, np.ndarray], title: str, image: np.ndarray,
-               example: dict | None, output_stem: str) -> list[str]:
+               example: dict | None, output_stem: str, top: int = 5) -> list[str]:
+        """top: how many items to list, where the task lists any (classes)."""
         raise NotImplementedError
+
+    def serve_images(self, model: keras.Model, images_uint8) -> dict[str, tf.Tensor]:
+        """`serve` of uint8 images at the model's size, normalized as evaluation
+        does: what predict prints and the SavedModel returns."""
+        return self.serve(self.predict(model, self.normalize(images_uint8)))
 
     def sample_predictions(self, model: keras.Model, samples: dict) -> dict:
         """samples + what the pictures show of the model's predictions (eager, on
         this worker alone: no collective, so the chief may do it by itself)."""
         return {**samples, **{key: np.asarray(value) for key, value in
-                              self.serve(self.predict(model, self.normalize(
-                                  samples["image"]))).items()}}
+                              self.serve_images(model, samples["image"]).items()}}
 
     def draw_samples(self, figure, samples: dict) -> None:
-        """Draws the sample predictions into a matplotlib (sub)figure."""
+        """Draws the sample predictions into a matplotlib (sub)figure (a task that
+        draws none does not override this)."""
+
+    def draws_samples(self) -> bool:
+        return type(self).draw_samples is not Task.draw_samples
 
     def pictures(self, samples: dict | None, details: dict, title: str) -> dict:
-        """{TensorBoard tag: Figure} at an evaluation."""
-        if samples is None:
+        """{TensorBoard tag: Figure} at an evaluation: the sample predictions."""
+        if samples is None or not self.draws_samples():
             return {}
-        figure = figures.new_figure(samples_count=len(samples["image"]))
+        figure = figures.new_figure(len(samples["image"]) * self.tiles_per_sample)
         self.draw_samples(figure, samples)
         figure.suptitle(title)
         return {"predictions": figure}

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import models
 from trainer.output import figures
-from trainer.settings import check_range, setting
+from trainer.settings import ConfigError, check_range, setting
 from trainer.tasks import base
 
 MAX_CONFUSION_CLASSES = 100  # beyond this a confusion picture is unreadable anyway
@@ -89,8 +89,7 @@ class Classification(base.Task):
     @staticmethod
     def accuracy(logits: tf.Tensor, labels: tf.Tensor) -> dict[str, base.Metric]:
         correct = hits(logits, labels)
-        return {"accuracy": (tf.reduce_sum(correct * tf.ones_like(correct)),
-                             tf.reduce_sum(tf.ones_like(correct)))}
+        return {"accuracy": (tf.reduce_sum(correct), tf.reduce_sum(tf.ones_like(correct)))}
 
     def predict(self, model: keras.Model, images: tf.Tensor) -> tf.Tensor:
         """Logits of the main head; with --tta_flip averaged with the mirror
@@ -133,6 +132,12 @@ class Classification(base.Task):
 
     # --- outside the step ----------------------------------------------------------
 
+    def check_data(self, spec) -> None:
+        if spec.num_classes != self.num_classes():
+            raise ConfigError(f"{spec.name} has {spec.num_classes} classes but the model "
+                              f"was trained on {self.spec.name} ({self.num_classes()}); "
+                              f"pick a matching --dataset")
+
     @property
     def class_names(self) -> tuple[str, ...]:
         return self.spec.class_names or tuple(str(i) for i in range(self.num_classes()))
@@ -162,8 +167,10 @@ class Classification(base.Task):
         for label, predicted, probabilities in zip(
                 samples["label"], samples["class_index"], samples["probabilities"]):
             right = int(label) == int(predicted)
-            title = f"{self._name(predicted)} ({100 * probabilities.max():.0f}%)"
-            titles.append(title if right else f"{title}\ntrue: {self._name(label)}")
+            title = (f"{figures.name_of(self.class_names, predicted)} "
+                     f"({100 * probabilities.max():.0f}%)")
+            titles.append(title if right else
+                          f"{title}\ntrue: {figures.name_of(self.class_names, label)}")
             colors.append(figures.RIGHT if right else figures.WRONG)
         figures.image_grid(figure, samples["image"], titles, colors)
 
@@ -173,7 +180,3 @@ class Classification(base.Task):
             pictures["confusion_matrix"] = figures.confusion(
                 details["confusion_matrix"], self.class_names, title=title)
         return pictures
-
-    def _name(self, index) -> str:
-        index = int(index)
-        return self.class_names[index] if index < len(self.class_names) else str(index)

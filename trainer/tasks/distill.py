@@ -19,11 +19,11 @@ import keras
 import tensorflow as tf
 
 import models
+from trainer import checkpoints, flops
 from trainer.settings import ConfigError, check_range, setting
 from trainer.tasks import base, classification
 
-RUN_CONFIG = "run_config.json"  # (trainer.checkpoints.RUN_CONFIG)
-WEIGHTS = {"final": "model.weights.h5", "best": "best.weights.h5"}
+WEIGHTS = {"final": checkpoints.WEIGHTS_FILE, "best": checkpoints.BEST_WEIGHTS_FILE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Distill(classification.Classification):
     def build(self, adapt: Callable[[keras.Model], keras.Model] | None = None) -> None:
         """The teacher, from its run directory (one-line errors if it cannot be)."""
         directory = self.settings.teacher_dir
-        config_path = os.path.join(directory, RUN_CONFIG)
+        config_path = os.path.join(directory, checkpoints.RUN_CONFIG)
         weights_path = os.path.join(directory, WEIGHTS[self.settings.teacher_weights])
         for path in (config_path, weights_path):
             if not tf.io.gfile.exists(path):
@@ -87,16 +87,21 @@ class Distill(classification.Classification):
             raise ConfigError(f"--teacher_dir={directory} sees {size}x{size} images, the "
                               f"student {self.input_shape[0]}x{self.input_shape[1]}; set "
                               f"--image_size={size}")
+        self._architecture = dict(name=teacher["model"], num_classes=self.num_classes(),
+                                  input_shape=self.input_shape,
+                                  tiny=teacher.get("model_size") == "tiny",
+                                  options=teacher.get("model_options", ""))
         try:
-            model = models.build(teacher["model"], self.num_classes(), self.input_shape,
-                                 tiny=teacher.get("model_size") == "tiny",
-                                 weights=weights_path,
-                                 options=teacher.get("model_options", ""))
+            model = models.build(**self._architecture, weights=weights_path)
         except ValueError as err:
             raise ConfigError(f"--teacher_dir={directory}: {err}") from err
         model = adapt(model) if adapt else model
         model.trainable = False  # its weights are not the optimizer's
         self.teacher = model
+
+    def extra_flops_per_image(self) -> float:
+        return flops.forward_flops_per_image(lambda: models.build(**self._architecture),
+                                             self.input_shape)
 
     def loss(self, batch: dict, outputs) -> tuple[tf.Tensor, dict[str, base.Metric]]:
         cross_entropy, metrics = super().loss(batch, outputs)
