@@ -16,6 +16,16 @@ tf.config.set_logical_device_configuration(
 CPUS = [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
+def pytest_collection_modifyitems(items):
+    """The long tests first, longest first (`@pytest.mark.long(seconds)`): with 2
+    workers taking one test at a time (-n 2 --dist load --maxschedchunk=1) the
+    short ones then fill the gaps, and both workers finish together."""
+    def seconds(item) -> float:
+        mark = item.get_closest_marker("long")
+        return mark.args[0] if mark and mark.args else 0
+    items.sort(key=lambda item: -seconds(item))
+
+
 @pytest.fixture(autouse=True)
 def _float32_policy():
     """Runs that set a mixed-precision policy must not leak it into other tests."""

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from trainer.tools import benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -15,6 +17,7 @@ def _benchmark(*args):
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
 
 
+@pytest.mark.long(35)  # seconds, with -n 2
 def test_benchmark_reports_every_case_with_flops(tmp_path):
     output = tmp_path / "bench.json"
     result = _benchmark("--model=cifar_cnn", "--model_size=tiny", "--dataset=synthetic",

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import tensorflow as tf
 
 from conftest import CPUS
@@ -58,6 +59,7 @@ def test_a_metric_with_the_wrong_weight_fails(tiny_config, monkeypatch):
     assert not result.passed and result.deciding[0] == "scaled_loss", report
 
 
+@pytest.mark.long(24)  # seconds, with -n 2
 def test_sam_passes_and_sam_with_this_replicas_norm_fails(tiny_config, monkeypatch):
     config = tiny_config.replace(sam_rho=0.05)
     result, report = _check(config)

@@ -105,6 +105,7 @@ def test_no_readable_checkpoint_is_a_one_line_error(tiny_config):
         loop.train_and_evaluate(tiny_config.replace(train_steps=6))
 
 
+@pytest.mark.long(23)  # seconds, with -n 2
 def test_a_save_that_fails_leaves_no_temp_and_names_the_last_good_one(tmp_path):
     import resource
     import subprocess

@@ -88,6 +88,7 @@ def test_skip_step_keeps_schedule_and_data_position_together(tmp_path):
     assert tf.train.latest_checkpoint(config.model_dir).endswith("ckpt-6")
 
 
+@pytest.mark.long(20)  # seconds, with -n 2
 def test_diverging_run_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path):
     model_dir = str(tmp_path / "run")
     ok = _main(*TINY, f"--model_dir={model_dir}", "--checkpoint_every=2", "--optimizer=sgd",
@@ -137,6 +138,7 @@ def _wait_for_checkpoint(model_dir, proc, at_least: int) -> None:
     raise AssertionError(f"no checkpoint >= {at_least}: {proc.communicate()[0][-2000:]}")
 
 
+@pytest.mark.long(65)  # seconds, with -n 2
 def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(tmp_path):
     # Two replicas: the harder case (one replica is the in-process resume tests').
     extra = ["--cpu_replicas=2", *AUTOENCODER]
@@ -156,6 +158,7 @@ def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(tmp_path):
     assert _sha(killed_dir) == _sha(str(tmp_path / "ref"))
 
 
+@pytest.mark.long(22)  # seconds, with -n 2
 def test_sigterm_saves_the_current_step_and_exits_75_then_resumes(tmp_path):
     model_dir = str(tmp_path / "run")
     proc = _start(model_dir, "--train_steps=100000", "--checkpoint_every=100000")

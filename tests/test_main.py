@@ -164,6 +164,7 @@ def test_main_on_cifar10_under_tfds_mock_data(tmp_path):
     assert metrics["test_examples"] == 50
 
 
+@pytest.mark.long(23)  # seconds, with -n 2
 def test_main_on_real_cifar10_from_tfds_data_dir(tmp_path):
     data_dir = os.environ.get("TFDS_DATA_DIR")
     if not data_dir or not os.path.isdir(os.path.join(data_dir, "cifar10")):

@@ -6,6 +6,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from test_main import ROOT, _main
@@ -33,6 +34,7 @@ def _weights(checkpoint_dir: str) -> dict[str, np.ndarray]:
             if name.endswith("VARIABLE_VALUE") and not name.startswith("save_counter")}
 
 
+@pytest.mark.long(37)  # seconds, with -n 2
 def test_two_workers_agree_with_each_other_and_with_one_worker(tmp_path):
     two = str(tmp_path / "two")
     proc = _launch(*EXACT, f"--model_dir={two}")
@@ -56,6 +58,7 @@ def test_two_workers_agree_with_each_other_and_with_one_worker(tmp_path):
                                            "metrics.json"))
 
 
+@pytest.mark.long(25)  # seconds, with -n 2
 def test_a_dead_worker_stops_the_others(tmp_path):
     model_dir = str(tmp_path / "run")
     args = [*EXACT, "--train_steps=100000", "--checkpoint_every=2",
@@ -82,6 +85,7 @@ def test_a_dead_worker_stops_the_others(tmp_path):
     # (Restarting after a dead worker: test_repeated_kills_... below.)
 
 
+@pytest.mark.long(117)  # seconds, with -n 2
 def test_repeated_kills_of_random_workers_end_bitwise_like_no_kill(tmp_path):
     """The short version of `trainer.tools.kill_resume` (BUILD.md runs it on real
     CIFAR-10 with five kills): two kills at random moments, random workers."""

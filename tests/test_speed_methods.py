@@ -280,6 +280,7 @@ def _airbench_config(tiny_config, **changes):
             label_smoothing=0.2, tta_flip=True, tta_translate=True)
 
 
+@pytest.mark.long(53)  # seconds, with -n 2
 def test_airbench_logs_flops_profiles_and_resumes_bitwise_after_a_kill(
         tiny_config, monkeypatch, caplog):
     """A straight run logs FLOP/s and writes a profile; a run killed after its

@@ -33,6 +33,7 @@ def _config(tiny_config, task: str, teacher_dir: str):
 
 
 @pytest.mark.parametrize("task", ["distill", "autoencoder"])
+@pytest.mark.long(42)  # seconds, with -n 2
 def test_a_task_trains_on_two_replicas_passes_the_check_and_serves(
         task, tiny_config, teacher_dir, tmp_path):
     config = _config(tiny_config, task, teacher_dir).replace(cpu_replicas=2)
