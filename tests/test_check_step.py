@@ -68,7 +68,7 @@ def test_sam_passes_and_sam_with_this_replicas_norm_fails(tiny_config, monkeypat
     def sam_from_the_local_gradient(model, optimizer, task, batch, options, gradients,
                                     grad_norm, finite):
         # The bug: perturb along this replica's own gradient and norm (before the sum).
-        local, _ = step._micro_batch_gradients(model, optimizer, task, batch, options)
+        local, _ = step.replica_gradients(model, optimizer, task, batch, options)
         scale = options.sam_rho / (tf.linalg.global_norm(local) + 1e-12)
         gradients = step.gradient_at_offset(model, optimizer, task, batch, options,
                                             [scale * g for g in local], finite)
@@ -104,12 +104,25 @@ def test_distillation_passes_and_a_teacher_in_training_mode_fails(tiny_config, t
     def build_a_teacher_in_training_mode(self, adapt=None):
         original_build(self, adapt)
         teacher = self.teacher
-        # The bug: batch-norm on each replica's half alone (and dropout on).
+        # The bug: the teacher's dropout on (its batch-norm, frozen with the
+        # teacher, uses the moving statistics in either mode).
         self.teacher = lambda images, training: teacher(images, training=True)
 
     monkeypatch.setattr(distill.Distill, "build", build_a_teacher_in_training_mode)
     result, report = _check(config)
     assert not result.passed, report
+
+
+def test_a_model_built_with_operators_is_checkable():
+    """`x + y` in a functional model makes a Keras operation, not a layer: the
+    float64 copy must clone it too (the docs' mixer does this)."""
+    import keras
+    inputs = keras.Input((4,))
+    x = keras.layers.Dense(4)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3, dtype="float32")(x + inputs * 2.0))
+    copy = check_step.checkable(model)
+    copy.set_weights(model.get_weights())
+    assert copy(tf.ones((2, 4), tf.float64)).dtype == tf.float64
 
 
 def test_command_prints_pass_and_exits_0():

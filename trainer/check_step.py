@@ -8,8 +8,8 @@ the run's own training pipeline, and trains them twice from the same initial
 weights: on 1 replica, and on 2 replicas (two logical CPU devices,
 MirroredStrategy) that split each global batch. In float64, with batch-norm
 synchronized across replicas and dropout off, so a correct step gives the same
-weights, optimizer state and metrics both ways up to float64 rounding (about
-1e-12 here, against differences of 0.1 and more that the bugs below make). Prints
+weights, optimizer state and metrics both ways up to float64 rounding (below
+1e-13 here, against differences of 0.1 and more that the bugs below make). Prints
 every difference, the one that decided the verdict, and PASS or FAIL; exit status
 0 on PASS, 1 on FAIL, 2 on bad flags.
 
@@ -17,8 +17,8 @@ It catches the classic distributed-step bugs before a TPU hour is spent: a loss
 divided by the per-replica batch instead of the global one (the summed gradient,
 and so `grad_norm`, doubles), clipping before the cross-replica sum, a metric
 averaged per replica and then summed, a second pass (SAM) that uses this
-replica's gradient norm instead of the global one, a teacher run in training
-mode (its batch-norm then normalizes each replica's half alone).
+replica's gradient instead of the summed one, a teacher run in training mode (its
+dropout masks then differ with the split of the batch).
 """
 import dataclasses
 import sys
@@ -50,10 +50,10 @@ def define_flags() -> None:
                        "of the weights' updates and of each metric.")
 
 
-# A correct step differs by float64 rounding only: at most 4e-11 measured over the
-# built-in models, tasks and step settings (docs/results.md); the smallest
-# difference a known bug makes is 0.1 and more. The tolerance sits between them,
-# at least 1,000x from each.
+# A correct step differs by float64 rounding only: at most 4.8e-14 measured over
+# the built-in models, tasks and step settings (docs/changing-the-step.md); the
+# smallest difference a planted bug made is 0.133. The tolerance sits between
+# them, a million times from each.
 TOLERANCE = 1e-7
 
 
@@ -80,6 +80,12 @@ class CheckResult:
         return all(d <= self.tolerance for d in self.differences().values())  # NaN fails
 
 
+def _in_float64(layer_config: dict) -> dict:
+    """A layer's config with its dtype float64; an operation without a dtype (one
+    made by `x + y` in a functional model) computes in its inputs' dtype anyway."""
+    return {**layer_config, "dtype": "float64"} if "dtype" in layer_config else layer_config
+
+
 def checkable(model: keras.Model, freeze_batch_norm: bool = False) -> keras.Model:
     """A copy of `model` in float64 with batch-norm synchronized across replicas
     (statistics of the global batch) and dropout off: then 1 and N replicas must
@@ -90,8 +96,7 @@ def checkable(model: keras.Model, freeze_batch_norm: bool = False) -> keras.Mode
     batch-norm inside the micro-batch loop is a cross-replica sync in a graph loop,
     which TensorFlow does not support."""
     def clone(layer):
-        layer_config = layer.get_config()
-        layer_config["dtype"] = "float64"
+        layer_config = _in_float64(layer.get_config())
         if isinstance(layer, keras.layers.BatchNormalization):
             layer_config["synchronized"] = not freeze_batch_norm
             if freeze_batch_norm:
@@ -106,7 +111,7 @@ def in_float64(model: keras.Model) -> keras.Model:
     """A float64 copy of a model the task does not train (a teacher), weights and
     all, otherwise as it is: it runs as the task calls it."""
     def clone(layer):
-        return layer.__class__.from_config({**layer.get_config(), "dtype": "float64"})
+        return layer.__class__.from_config(_in_float64(layer.get_config()))
     copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
     copy.set_weights(model.get_weights())
     return copy

@@ -97,9 +97,9 @@ def moving_statistics(model: keras.Model) -> list:
             if v.dtype.startswith("float") and "seed_generator" not in v.path]
 
 
-def _micro_batch_gradients(model, optimizer, task: Task, batch: dict,
-                           options: StepOptions):
-    """The gradient over this replica's batch, in grad_accum_steps micro-batches."""
+def replica_gradients(model, optimizer, task: Task, batch: dict, options: StepOptions):
+    """THIS replica's gradient of its part of the global mean loss (not summed
+    over replicas yet), in grad_accum_steps micro-batches, and its metric sums."""
     steps = options.grad_accum_steps
     if steps == 1:
         return _forward_backward(model, optimizer, task, batch, options)
@@ -120,7 +120,7 @@ def summed_gradients(model, optimizer, task: Task, batch: dict, options: StepOpt
     THE all-reduce. After it every replica holds the same gradient; anything that
     must see the whole batch's gradient (its norm, clipping, the finite check, a
     second pass) comes after it."""
-    gradients, sums = _micro_batch_gradients(model, optimizer, task, batch, options)
+    gradients, sums = replica_gradients(model, optimizer, task, batch, options)
     gradients = tf.distribute.get_replica_context().all_reduce(SUM, gradients)
     return optimizers.unscale(optimizer, gradients), sums  # (mixed_float16 only)
 

@@ -4,8 +4,8 @@ and from a teacher, a finished run given by --teacher_dir.
     loss = alpha * CE(label) + (1 - alpha) * T^2 * KL(softmax(teacher / T) || softmax(student / T))
 
 The teacher is rebuilt from its run_config.json and its final (or best) weights,
-under the same strategy as the student, and runs in inference mode (batch-norm's
-moving statistics, no dropout); its weights never train. Evaluation, predict and
+under the same strategy as the student, frozen and in inference mode (batch-norm's
+moving statistics, no dropout); no gradient reaches it. Evaluation, predict and
 export are those of classification: the student alone.
 
     python -m trainer.main --task=distill --teacher_dir=runs/airbench_cifar10
@@ -96,7 +96,7 @@ class Distill(classification.Classification):
         except ValueError as err:
             raise ConfigError(f"--teacher_dir={directory}: {err}") from err
         model = adapt(model) if adapt else model
-        model.trainable = False  # its weights are not the optimizer's
+        model.trainable = False  # frozen: its batch-norm never uses batch statistics
         self.teacher = model
 
     def extra_flops_per_image(self) -> float:
@@ -106,9 +106,9 @@ class Distill(classification.Classification):
     def loss(self, batch: dict, outputs) -> tuple[tf.Tensor, dict[str, base.Metric]]:
         cross_entropy, metrics = super().loss(batch, outputs)
         student = classification.logits_of(outputs)
-        # Inference mode: the teacher's batch-norm uses its moving statistics, the
-        # same on every replica (training=True would normalize by each replica's
-        # own batch, and check_step fails). No gradient flows into the teacher: its
+        # Inference mode: no dropout in the teacher (training=True would draw masks,
+        # and check_step fails; its batch-norm uses the moving statistics either
+        # way, the teacher being frozen). No gradient flows into the teacher: its
         # backward pass would cost twice its forward, for nothing.
         teacher = tf.stop_gradient(tf.cast(classification.logits_of(
             self.teacher(batch["image"], training=False)), student.dtype))
