@@ -5,8 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from data import sources
-from trainer import distributed
-from trainer.serving import inference
+from trainer import distributed, inputs
 
 NUM_SAMPLES = 20           # test examples in the prediction pictures
 
@@ -19,7 +18,7 @@ def load_samples(spec: sources.DatasetSpec, image_size: int, data_dir: str | Non
     ds, available = sources.load(spec, spec.eval_split, data_dir, download)
     images, labels = [], []
     for image, label in ds.take(min(count, available)):
-        images.append(inference.resize_uint8(image, image_size))
+        images.append(inputs.resize_uint8(image, image_size))
         labels.append(int(label))
     return {"image": np.stack(images), "label": np.array(labels)}
 

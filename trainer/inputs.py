@@ -44,6 +44,14 @@ def train_input_fn(config: Config, spec: sources.DatasetSpec, train_examples: in
     return train_fn
 
 
+def resize_uint8(image, size: int) -> np.ndarray:
+    """Any [H, W, 3] image -> uint8 [size, size, 3], resized as evaluation does."""
+    image = tf.convert_to_tensor(image)
+    if tuple(image.shape[:2]) != (size, size):
+        image, _ = augment.make_resize(size)(image, 0)
+    return tf.cast(image, tf.uint8).numpy()
+
+
 def init_images(config: Config, spec: sources.DatasetSpec, count: int = 5000
                 ) -> np.ndarray:
     """The first `count` training images as the model sees them (resized,

@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from data import augment, sources
+from data import sources
 from trainer import build, checkpoints, config as config_lib, inputs
 
 WEIGHTS_FILE, BEST_WEIGHTS_FILE = checkpoints.WEIGHTS_FILE, checkpoints.BEST_WEIGHTS_FILE
@@ -19,14 +19,6 @@ WEIGHTS_FILE, BEST_WEIGHTS_FILE = checkpoints.WEIGHTS_FILE, checkpoints.BEST_WEI
 
 class InferenceError(RuntimeError):
     """A model_dir or image cannot be used; the message says what to do."""
-
-
-def resize_uint8(image, size: int) -> np.ndarray:
-    """Any [H, W, 3] image -> uint8 [size, size, 3], resized as evaluation does."""
-    image = tf.convert_to_tensor(image)
-    if tuple(image.shape[:2]) != (size, size):
-        image, _ = augment.make_resize(size)(image, 0)
-    return tf.cast(image, tf.uint8).numpy()
 
 
 def decode_file(path: str) -> np.ndarray:
@@ -64,7 +56,7 @@ class TrainedModel:
     def serve(self, images: list) -> dict[str, np.ndarray]:
         """The task's serving outputs (e.g. class probabilities) for images of any
         size, resized and normalized as evaluation does."""
-        batch = np.stack([resize_uint8(image, self.image_size) for image in images])
+        batch = np.stack([inputs.resize_uint8(image, self.image_size) for image in images])
         return {key: np.asarray(value)
                 for key, value in self.task.serve_images(self.model, batch).items()}
 

@@ -24,7 +24,7 @@ import tensorflow as tf  # noqa: E402
 
 from data import sources  # noqa: E402
 from trainer import checkpoints, config as config_lib, main as main_lib, recipes  # noqa: E402
-from trainer import tasks  # noqa: E402
+from trainer import inputs, tasks  # noqa: E402
 from trainer.serving import inference  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -81,7 +81,7 @@ def run(args: Options) -> list[str]:
     for row, (title, image, example, stem) in enumerate(items):
         lines += trained.task.report(
             {key: value[row] for key, value in served.items()}, title,
-            inference.resize_uint8(image, trained.image_size), example,
+            inputs.resize_uint8(image, trained.image_size), example,
             os.path.join(output_dir, stem), top=args.top or 5)
     return lines
 
