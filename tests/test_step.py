@@ -376,3 +376,14 @@ def test_a_metric_the_wrapper_cannot_sum_is_one_line_naming_it(value, message):
         loop(iter(strategy.experimental_distribute_dataset(dataset)), tf.constant(1),
              tf.constant(0.0))
     assert message in message_of(raised.value) and "\n" not in message_of(raised.value)
+
+
+def test_a_task_metric_named_like_the_steps_own_is_refused():
+    from trainer.settings import message_of
+    task = classification()
+    original = task.loss
+    task.loss = lambda batch, outputs: (original(batch, outputs)[0],
+                                        {"grad_norm": (1.0, 1.0)})
+    with pytest.raises(distributed.StepContractError) as raised:
+        _train(_one_device(), task=task)
+    assert "'grad_norm', which the step reports itself" in message_of(raised.value)

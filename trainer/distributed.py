@@ -21,14 +21,19 @@ class StepContractError(ConfigError):
     """A step returned something the wrapper cannot sum (one line, exit 2)."""
 
 
-def summable(metrics, source: str = "the step") -> Sums:
+def summable(metrics, source: str = "the step", reserved: tuple[str, ...] = ()) -> Sums:
     """`metrics` checked and made tensors: a Python number (e.g. the weight 1.0 of
     a per-step value) becomes a tensor of this replica's, which strategy.reduce can
-    sum; anything that is not a dict of (total, weight) pairs of numbers is a
-    StepContractError naming the key (raised at trace time: one `error:` line)."""
+    sum; anything that is not a dict of (total, weight) pairs of numbers, or a key
+    in `reserved` (names the caller reports itself), is a StepContractError naming
+    the key (raised at trace time: one `error:` line)."""
     if not isinstance(metrics, dict):
         raise StepContractError(f"{source} returned {type(metrics).__name__}, not a dict "
                                 f"of name: (total, weight)")
+    for key in metrics:
+        if key in reserved:
+            raise StepContractError(f"{source} returned a metric named {key!r}, which "
+                                    f"the step reports itself; give it another name")
     checked = {}
     for key, value in metrics.items():
         try:

@@ -71,12 +71,6 @@ def _forward_backward(model, optimizer, task: Task, batch: dict, options: StepOp
     with tf.GradientTape() as tape:
         outputs = model(batch["image"], training=True)
         per_example_loss, metrics = task.loss(batch, outputs)
-        metrics = distributed.summable(metrics, f"task {task.name}'s loss")
-        if set(metrics) & set(STEP_METRICS):
-            raise distributed.StepContractError(
-                f"task {task.name}'s loss returned a metric named "
-                f"{sorted(set(metrics) & set(STEP_METRICS))[0]!r}, which the step "
-                f"reports itself; give it another name")
         loss = _mean_over_global_batch(per_example_loss, options)
         if model.losses:  # weight regularizers: every replica and micro-batch adds them
             loss += tf.nn.scale_regularization_loss(
@@ -87,6 +81,7 @@ def _forward_backward(model, optimizer, task: Task, batch: dict, options: StepOp
     gradients = tape.gradient(scaled_loss, model.trainable_variables,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
     count = tf.reduce_sum(tf.ones_like(per_example_loss))
+    metrics = distributed.summable(metrics, f"task {task.name}'s loss", STEP_METRICS)
     return gradients, {"loss": (tf.reduce_sum(per_example_loss), count), **metrics}
 
 
