@@ -45,6 +45,11 @@ def _shown(metric: str, value: float) -> float:
     return 100 * value if "accuracy" in metric else value
 
 
+def _text(metric: str, value: float) -> str:
+    """An accuracy as 84.06%, anything else to 4 significant digits."""
+    return f"{100 * value:.2f}%" if "accuracy" in metric else f"{value:.4g}"
+
+
 def first_at(metrics: dict, target: float, metric: str = "test_accuracy",
              higher: bool = True) -> dict | None:
     """The first evaluation whose `metric` reaches `target`."""
@@ -54,13 +59,12 @@ def first_at(metrics: dict, target: float, metric: str = "test_accuracy",
 
 def run_rows(runs: dict[str, dict], target: float, metric: str = "test_accuracy",
              higher: bool = True) -> list[str]:
-    unit = "%" if "accuracy" in metric else ""
     rows = [f"| run | {metric.replace('_', ' ')} | train s | img/s | GFLOP/s | first eval "
-            f"{'>=' if higher else '<='} {_shown(metric, target):.4g}{unit} (epoch, "
-            f"train s) |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+            f"{'>=' if higher else '<='} {_text(metric, target)} (epoch, train s) |",
+            "| --- | ---: | ---: | ---: | ---: | --- |"]
     for name, m in runs.items():
         hit = first_at(m, target, metric, higher)
-        rows.append(f"| {name} | {_shown(metric, m[metric]):.4g}{unit} | "
+        rows.append(f"| {name} | {_text(metric, m[metric])} | "
                     f"{m['train_seconds']:.0f} | {m['images_per_second']:.0f} | "
                     f"{m.get('gflops_per_second', 0):.0f} | "
                     + (f"epoch {hit['epoch']:.1f}, {hit['train_seconds']:.0f} s |" if hit
