@@ -1,5 +1,6 @@
 """Shared fixtures. Two logical CPU devices are made once, before TensorFlow starts,
 so MirroredStrategy can run 2 replicas on any machine."""
+import logging
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -83,3 +84,24 @@ def classification(**settings):
     spec = sources.get_spec("synthetic")
     return tasks.get("classification")(tasks.make_settings("classification", settings),
                                        spec, spec.image_shape)
+
+
+@pytest.fixture
+def run(capsys, caplog):
+    """trainer.main in this process, as the command line runs it (its flag parser,
+    then main): run(*flags) -> (exit status, stderr and the log)."""
+    def run(*args) -> tuple[int, str]:
+        from absl.testing import flagsaver
+        from trainer import main as main_lib
+        main_lib.define_flags()
+        status = 0
+        caplog.clear()
+        with flagsaver.flagsaver(), caplog.at_level(logging.INFO, logger="absl"):
+            try:
+                main_lib.parse_flags(["trainer.main", *args, "--verbosity=0"])
+                main_lib.main(["trainer.main"])
+            except SystemExit as exit_:
+                status = exit_.code
+        log = "\n".join(record.getMessage() for record in caplog.records)
+        return status, log + "\n" + capsys.readouterr().err
+    return run

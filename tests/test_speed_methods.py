@@ -291,6 +291,9 @@ def test_airbench_logs_flops_profiles_and_resumes_bitwise_after_a_kill(
     from trainer import loop
     from trainer.output import progress
     from trainer.tools import profile_summary
+    from trainer import flops
+    real_peak = flops.peak_flops  # a smaller matmul: the peak's use, not its value
+    monkeypatch.setattr(flops, "peak_flops", lambda precision: real_peak(precision, n=512))
     config = _airbench_config(tiny_config, measure_peak=True, profile_steps="2,6")
     with caplog.at_level(logging.INFO, logger="absl"):
         straight = loop.train_and_evaluate(config)

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from conftest import CPUS
 from test_check_step import _teacher_run
-from test_main import TINY, _main
+from test_main import TINY
 from trainer import build, check_step, distributed, loop
 from trainer.serving import export, predict
 
@@ -144,15 +144,15 @@ def test_classification_through_the_task_seam_is_bitwise_as_before(case, tmp_pat
     (["--teacher_dir=x"], "--teacher_dir is a setting of task(s) distill, not of "
      "classification"),
 ])
-def test_a_task_that_does_not_fit_is_one_line_and_writes_nothing(tmp_path, flags,
+def test_a_task_that_does_not_fit_is_one_line_and_writes_nothing(tmp_path, run, flags,
                                                                  message):
     """One command-line case per place a combination is refused (the flags, the
-    build); the others are the in-process test below."""
+    build), through trainer.main's parser and main; the others are the in-process
+    test below."""
     model_dir = tmp_path / "run"
-    result = _main(*TINY, f"--model_dir={model_dir}", *flags)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    last = result.stderr.strip().splitlines()[-1]
+    status, err = run(*TINY, f"--model_dir={model_dir}", *flags)
+    assert status == 2, err[-2000:]
+    last = err.strip().splitlines()[-1]
     assert last.startswith("error: ") and message in last, last
     assert not model_dir.exists() or not os.listdir(model_dir)
 
