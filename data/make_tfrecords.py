@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 from absl import app, flags
 import tensorflow as tf
 
-from data import sources, tfrecords
+from data import files, sources, tfrecords
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp")
 
@@ -195,6 +195,9 @@ def main(argv: list[str]) -> None:
     except sources.DatasetError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except files.WriteError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(5)
     records = sum(tfrecords.record_count(path) for path in paths)
     print(f"wrote {records} records in {len(paths)} files: {paths[0]} ... {paths[-1]}")
 

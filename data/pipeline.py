@@ -35,7 +35,8 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
                num_examples: int | None = None, shard: bool = True,
                start_step: int = 0, mix: Callable | None = None,
                end_step: int | None = None,
-               alternating_flip: bool = False) -> tf.data.Dataset:
+               alternating_flip: bool = False,
+               counts: list | None = None) -> tf.data.Dataset:
     """shard -> prepare -> cache blocks -> [per epoch: block_shuffle -> batch] -> skip to
     `start_step` -> augment -> normalize -> mix -> prefetch.
 
@@ -56,6 +57,8 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
     alternating_flip: airbench's alternating flip (data.augment.alternating_flip),
     before `augment`, keyed by each example's index in this worker's shard.
     shard=False: `ds` is already this worker's shard (data.sources.load(context=...)).
+    counts: if given, the number of examples this pipeline read is appended to it
+    (the caller compares it with what the data promises).
     """
     batch = per_replica_batch_size(global_batch_size, context)
     if shard:
@@ -77,6 +80,8 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
         # Counts, and fills the cache: the shuffle reads blocks out of order, and a
         # cache that is never read to its end would go back to the source every epoch.
         examples = fill_cache(blocks)
+    if counts is not None:
+        counts.append(examples)
     pipeline_seed = seed * 7919 + context.input_pipeline_id  # workers differ
     # The data position: this pipeline's replicas consume `per_step` batches a step.
     per_step = context.num_replicas_in_sync // context.num_input_pipelines
@@ -154,8 +159,10 @@ def fill_cache(blocks: tf.data.Dataset) -> int:
     """One pass over a dataset of blocks, returning the number of examples. On a
     cached dataset this does the work the first epoch would do, once; later passes
     read memory."""
-    return int(blocks.reduce(tf.constant(0, tf.int64), lambda count, *block: count + tf.cast(
-        tf.shape(tf.nest.flatten(block)[0])[0], tf.int64)))
+    count = 0
+    for block in blocks:  # a Python loop, so that a SIGTERM is handled between blocks
+        count += int(tf.shape(tf.nest.flatten(block)[0])[0])
+    return count
 
 
 def eval_steps(num_examples: int, global_batch_size: int) -> int:

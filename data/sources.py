@@ -30,7 +30,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from data import tfrecords
+from data import files, tfrecords
 from data.errors import DatasetError  # re-exported: callers catch sources.DatasetError
 
 
@@ -127,10 +127,11 @@ def _read_metadata(path: str) -> dict | None:
     if not tf.io.gfile.exists(path):
         return None
     try:
-        with tf.io.gfile.GFile(path) as f:
-            meta = json.load(f)
+        meta = files.read_json(path, dict, keys=("class_names",))
+        if not isinstance(meta["class_names"], list):
+            raise TypeError("class_names is not a list")
         meta["class_names"] = [str(name) for name in meta["class_names"]]
-    except (ValueError, KeyError, TypeError) as err:
+    except (ValueError, TypeError) as err:
         raise DatasetError(f"{path} is not a dataset description with a class_names list "
                            f"({type(err).__name__}); rewrite it with python -m "
                            f"data.make_tfrecords, or delete it") from err
@@ -300,6 +301,32 @@ def _load_tfrecords(spec: DatasetSpec, validation: bool, pipelines: int,
     return ds.map(lambda image, label, index: (image, label)), count
 
 
+def describe_split(spec: DatasetSpec, validation: bool) -> str:
+    """Where a split's examples come from, for messages: files or a TFDS split."""
+    if spec.tfrecord_pattern:
+        pattern = spec.eval_pattern if validation and spec.eval_pattern else (
+            spec.tfrecord_pattern)
+        return f"the files {pattern!r}" + (" (held-out part)" if validation and not
+                                           spec.eval_pattern else "")
+    if spec.synthetic_sizes != (0, 0):
+        return f"the generated {spec.name} data"
+    split = spec.train_split if spec.holdout_fraction else (
+        spec.eval_split if validation else spec.train_split)
+    return f"TFDS {spec.name!r} split {split!r}"
+
+
+def check_count(spec: DatasetSpec, validation: bool, read: int, promised: int) -> None:
+    """DatasetError (one line naming the data) unless `read` examples is the
+    `promised` count (TFDS' dataset_info.json, the TFRecord file names): a file cut
+    short at a record boundary reads without error, so only the count can tell."""
+    if read != promised:
+        raise DatasetError(
+            f"{describe_split(spec, validation)} promise {promised} "
+            f"{'evaluation' if validation else 'training'} examples but {read} were "
+            f"read: a file is missing or cut short; restore the data (or rewrite it "
+            f"with python -m data.make_tfrecords)")
+
+
 def explain_read_error(spec: DatasetSpec) -> str | None:
     """After a failed read: which file is broken, if it can be found (TFRecords)."""
     for pattern in (spec.tfrecord_pattern, spec.eval_pattern):
@@ -318,13 +345,12 @@ def save_description(spec: DatasetSpec, directory: str) -> str:
     path = os.path.join(directory, TFRECORD_METADATA)
     beside = os.path.join(tfrecords.directory(spec.tfrecord_pattern), TFRECORD_METADATA)
     if tf.io.gfile.exists(beside):
-        tf.io.gfile.copy(beside, path, overwrite=True)
+        files.copy_atomically(beside, path)
         return path
     meta = {"source": "", "class_names": list(spec.class_names),
             "image_size": spec.image_shape[0],
             "holdout_fraction": spec.holdout_fraction or DEFAULT_HOLDOUT}
-    with tf.io.gfile.GFile(path, "w") as f:
-        json.dump(meta, f, indent=2)
+    files.write_atomically(path, json.dumps(meta, indent=2))
     return path
 
 

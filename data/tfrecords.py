@@ -18,6 +18,7 @@ from typing import Iterable
 from google.protobuf.message import DecodeError
 import tensorflow as tf
 
+from data import files as atomic
 from data.errors import DatasetError
 
 FEATURES = {
@@ -93,9 +94,17 @@ def write_shards(records: Iterable[bytes], total: int, prefix: str,
         if count <= 0:
             break
         path = shard_path(prefix, shard, count)
-        with tf.io.TFRecordWriter(path) as writer:
-            for _ in range(count):
-                writer.write(next(records))
+        tmp = atomic.temporary_name(path)  # the shard appears whole or not at all
+        try:
+            with tf.io.TFRecordWriter(tmp) as writer:
+                for _ in range(count):
+                    writer.write(next(records))
+            tf.io.gfile.rename(tmp, path, overwrite=True)
+        except (tf.errors.OpError, OSError) as err:
+            if tf.io.gfile.exists(tmp):
+                tf.io.gfile.remove(tmp)
+            raise atomic.WriteError(f"could not write {path} ({atomic.reason_of(err)}); "
+                                   f"the shards before it are complete") from err
         paths.append(path)
     return paths
 

@@ -82,22 +82,22 @@ def test_a_dead_worker_stops_the_others(tmp_path):
             or "[worker 0] error: lost another worker" in output), output[-3000:]
     assert not os.path.exists(f"/proc/{pids['0']}") or open(
         f"/proc/{pids['0']}/status").read().find("zombie") >= 0
-    # (Restarting after a dead worker: test_repeated_kills_... below.)
+    # (Restarting after a dead worker: test_a_kill_of_a_random_worker_... below.)
 
 
-@pytest.mark.long(117)  # seconds, with -n 2
-def test_repeated_kills_of_random_workers_end_bitwise_like_no_kill(tmp_path):
+@pytest.mark.long(100)  # seconds, with -n 2
+def test_a_kill_of_a_random_worker_ends_bitwise_like_no_kill(tmp_path):
     """The short version of `trainer.tools.kill_resume` (BUILD.md runs it on real
-    CIFAR-10 with five kills): two kills at random moments, random workers."""
+    CIFAR-10 with five kills): a kill at a random moment of a random worker."""
     from trainer.tools import kill_resume
     args = ["--model=cifar_cnn", "--model_size=tiny", "--dataset=synthetic",
             "--batch_size=64", "--train_steps=160", "--steps_per_loop=1",
             "--checkpoint_every=10", "--eval_every=160", "--deterministic",
             "--shuffle_buffer=1024", "--mixup_alpha=0.2", "--cutmix_alpha=1.0"]
     said = []
-    kills, reference, killed = kill_resume.run(2, 2, str(tmp_path), args, max_wait=0.5,
+    kills, reference, killed = kill_resume.run(2, 1, str(tmp_path), args, max_wait=0.5,
                                                seed=None, say=said.append)
-    assert len(kills) == 2, said
-    assert all(kill.checkpoint_at_kill > kill.resumed_from_step for kill in kills)
-    assert kills[1].resumed_from_step >= kills[0].checkpoint_at_kill > 0
+    assert len(kills) == 1, said
+    assert kills[0].checkpoint_at_kill > kills[0].resumed_from_step
     assert reference == killed, said
+    assert not kill_resume.leftovers(str(tmp_path / "killed"))  # no temporary, no lock

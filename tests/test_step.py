@@ -346,6 +346,30 @@ def test_a_non_finite_first_gradient_is_skipped_without_touching_the_weights():
         np.testing.assert_array_equal(a, b)  # weights and statistics, no NaN
 
 
+@pytest.mark.parametrize("replicas,optimizer_name", [(1, "sgd"), (2, "sgd"), (2, "adam")])
+def test_an_update_that_overflows_a_weight_is_undone_with_the_optimizer_state(
+        replicas, optimizer_name):
+    """A finite gradient times a learning rate near float32's largest overflows
+    some weights: the whole update is undone (weights and the optimizer's slots)
+    and counted as skipped, so nothing non-finite reaches a checkpoint."""
+    batch = _batch()
+    batch["image"] = batch["image"] * 100.0  # gradients above 1: 3e38 x g overflows
+    gradient = _gradient(_no_bn_model(), batch)
+    assert np.isfinite(sum(np.sum(g * g) for g in gradient))
+    assert max(np.abs(g).max() for g in gradient) > 2  # x 3e38: beyond float32
+    strategy = mirrored() if replicas == 2 else _one_device()
+    trained, optimizer, metrics = _train(strategy, batches=[batch],
+                                         optimizer_name=optimizer_name,
+                                         learning_rate=3e38)
+    assert metrics["skipped"] == 1 and int(optimizer.iterations.numpy()) == 1
+    for a, b in zip(_no_bn_model().get_weights(), trained.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for variable in optimizers.float_state(optimizer):
+        assert np.all(np.isfinite(variable.numpy()))
+        if optimizer_name == "adam" and "momentum" in variable.path:
+            assert not np.any(variable.numpy())  # the moments as before the step
+
+
 # --- metrics the wrapper sums -------------------------------------------------------
 
 def test_a_per_step_value_may_be_python_numbers_on_two_replicas():

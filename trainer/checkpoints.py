@@ -10,13 +10,13 @@ the run resumes from the newest readable one; a save that fails (no space, no
 permission) leaves no temporary files and stops the run with one line naming the
 directory and the last good checkpoint (CheckpointSaveError).
 """
-import json
+import io
 import os
 
 from absl import logging
 import tensorflow as tf
 
-from trainer.output import progress
+from data import files
 
 RUN_CONFIG = "run_config.json"
 WEIGHTS_FILE = "model.weights.h5"       # the final (evaluated) weights
@@ -34,7 +34,7 @@ class CheckpointError(RuntimeError):
     """--model_dir cannot be used; the message says why and what to do."""
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(files.WriteError):
     """A checkpoint could not be written; the earlier ones are intact."""
 
 
@@ -60,21 +60,21 @@ def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True) -
                               f"another directory")
     check_previous_run(model_dir, run_config)
     if is_chief:  # atomic: other workers read it
-        progress.write_json(os.path.join(model_dir, RUN_CONFIG), run_config)
+        # What a killed writer left half-written (a ckpt-N_temp, a file's .tmp-...):
+        # never a complete file. Safe: this process holds the directory (locks.py).
+        removed = files.remove_stale_temporaries(model_dir)
+        if removed:
+            logging.info("removed %d temporary file(s) a killed run left in %s: %s",
+                         len(removed), model_dir, ", ".join(sorted(removed)))
+        files.write_json(os.path.join(model_dir, RUN_CONFIG), run_config)
 
 
 def check_previous_run(model_dir: str, run_config: dict) -> None:
     """CheckpointError unless model_dir is empty of runs or holds a run whose
     checkpoints this one can continue (same model, task, data, optimizer, ...).
     Reads only: called before the expensive set-up, and again before writing."""
-    path = os.path.join(model_dir, RUN_CONFIG)
-    if tf.io.gfile.exists(path):
-        try:
-            with tf.io.gfile.GFile(path) as f:
-                previous = json.load(f)
-        except ValueError as err:
-            raise CheckpointError(f"{path} is not valid JSON ({err}); restore it, or use "
-                                  f"another --model_dir") from err
+    if tf.io.gfile.exists(os.path.join(model_dir, RUN_CONFIG)):
+        previous = read_run_config(model_dir)
         for key, now, before in [
                 *((k, _value(run_config, k), _value(previous, k)) for k in _MUST_MATCH),
                 *((f"{k} > 0", bool(run_config.get(k)), bool(previous.get(k)))
@@ -86,11 +86,43 @@ def check_previous_run(model_dir: str, run_config: dict) -> None:
                     f"untouched)")
 
 
+def read_run_config(model_dir: str, flag: str = "--model_dir") -> dict:
+    """The run_config.json of a run directory. CheckpointError (one line) if it is
+    missing, half written or not a run's config (no model, dataset)."""
+    path = os.path.join(model_dir, RUN_CONFIG)
+    try:
+        return files.read_json(path, dict, keys=("model", "dataset"))
+    except files.BadFileError as err:
+        advice = (f"{flag} must be a training run's directory" if "not found" in str(err)
+                  else f"restore it from a backup, or use another {flag}")
+        raise CheckpointError(f"{err}; {advice}") from err
+
+
 def _value(run_config: dict, key: str):
     """A run_config.json value; unset and empty are the same (runs from before a
     setting existed saved none: their task was classification)."""
     value = run_config.get(key) or None
     return value or ("classification" if key == "task" else None)
+
+
+def weights_h5_bytes(model) -> bytes:
+    """The bytes of `model.save_weights(path)`'s .weights.h5 file, made in memory:
+    h5py writing straight to a full disk leaves half a file or crashes the process
+    (exit 139). Keras' own writer, reached through its private saving_lib
+    (tests/test_checkpoints.py fails loudly if an upgrade changes it)."""
+    from keras.src.saving import saving_lib  # private, see above
+    buffer = io.BytesIO()
+    store = saving_lib.H5IOStore(buffer, mode="w")
+    saving_lib._save_state(model, weights_store=store, assets_store=None,  # noqa: SLF001
+                           inner_path="", visited_saveables=set())
+    store.close()
+    return buffer.getvalue()
+
+
+def save_weights(model, path: str) -> None:
+    """`model.save_weights(path)` whole or not at all (any gfile path): on failure
+    WriteError names the file, and the previous file of that name is intact."""
+    files.write_atomically(path, weights_h5_bytes(model))
 
 
 def training_checkpoint(model, optimizer) -> tf.train.Checkpoint:
@@ -183,12 +215,11 @@ def save(manager: tf.train.CheckpointManager, step: int) -> None:
     except (tf.errors.OpError, OSError) as err:
         directory = manager.directory
         for name in tf.io.gfile.listdir(directory) if tf.io.gfile.isdir(directory) else []:
-            if name.rstrip("/").endswith("_temp"):
-                tf.io.gfile.rmtree(os.path.join(directory, name))
+            if name.rstrip("/").endswith(f"ckpt-{step}_temp"):  # this save's, not a
+                tf.io.gfile.rmtree(os.path.join(directory, name))  # peer's
         last = manager.latest_checkpoint
         # "{{function_node ...}} /dir/ckpt-4_temp/...; File too large" -> the cause
-        message = (getattr(err, "message", None) or str(err)).splitlines()[0]
-        reason = message.split("}}")[-1].rsplit(";", 1)[-1].strip()[:160]
+        reason = files.reason_of(err)
         raise CheckpointSaveError(
             f"could not save the checkpoint of step {step} in {directory} ({reason}); "
             f"the last good checkpoint is {last or 'none'}: free space or fix the "

@@ -8,6 +8,7 @@ in its file (trainer/tasks/), made into flags the same way and kept in
 `resolve`; library code below takes this object or plain values.
 """
 import dataclasses
+import math
 import os
 import re
 from typing import Any
@@ -225,6 +226,19 @@ def profile_range(text: str) -> tuple[int, int]:
     return first, last
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # TensorFlow computes every setting in float32
+
+
+def non_finite(name: str, value) -> str | None:
+    """The problem with a float setting that is nan, inf, or beyond float32 (where
+    it would be inf); None for any other value."""
+    if isinstance(value, float) and not (math.isfinite(value)
+                                         and abs(value) <= FLOAT32_MAX):
+        return (f"--{name}={value}: give a finite number"
+                + ("" if not math.isfinite(value) else " (at most 3.4e38: float32)"))
+    return None
+
+
 def _check_choice(name: str, value: str, valid) -> None:
     if value not in valid:
         raise ConfigError(
@@ -256,6 +270,10 @@ def validate(config: Config, model_names, dataset_names) -> Config:
     for name in ("batch_size", "learning_rate", "steps_per_loop", "cpu_replicas",
                  "keep_checkpoints", "grad_accum_steps"):
         _check_positive(name, getattr(config, name))
+    for name, value in [*config.as_dict().items(), *config.task_settings.items()]:
+        problem = non_finite(name, value)  # nan < 0 is False: no range check sees it
+        if problem:
+            raise ConfigError(problem)
     for name in ("epochs", "train_steps", "warmup_epochs", "weight_decay",
                  "sustain_epochs", "min_learning_rate", "log_every", "eval_every",
                  "checkpoint_every", "shuffle_buffer", "image_size", "clip_grad_norm",

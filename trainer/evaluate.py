@@ -11,9 +11,9 @@ each checkpoint it writes (Model Garden's continuous evaluation; the seed's "tra
 on the TPU, evaluate on the CPU"), until the run is done or no new checkpoint comes
 for --timeout seconds. It writes only to --output_dir (default DIR/evaluator):
 TensorBoard `eval` events and evaluations.json; the trainer's files are never
-touched. Exit status 0, or 2 with a one-line error.
+touched, and a directory that a trainer or another evaluator holds is refused.
+Exit status 0, or 2 with a one-line error.
 """
-import json
 import os
 import sys
 import time
@@ -25,9 +25,9 @@ cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 from absl import app, flags, logging  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from data import sources  # noqa: E402
+from data import files, sources  # noqa: E402
 from trainer import averaging, build, checkpoints, distributed, evaluation  # noqa: E402
-from trainer import config as config_lib, inputs, main as main_lib  # noqa: E402
+from trainer import config as config_lib, inputs, locks, main as main_lib  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 from trainer.settings import message_of  # noqa: E402
 from trainer.output import progress as progress_lib, summaries  # noqa: E402
@@ -57,18 +57,13 @@ class Evaluator:
     builds them); evaluate(path) per checkpoint."""
 
     def __init__(self, model_dir: str, data_dir: str | None = None):
-        path = os.path.join(model_dir, checkpoints.RUN_CONFIG)
-        if not tf.io.gfile.exists(path):
-            raise checkpoints.CheckpointError(
-                f"{path} not found: --model_dir must be a training run's directory")
-        with tf.io.gfile.GFile(path) as f:
-            config = config_lib.from_dict(json.load(f))
+        config = config_lib.from_dict(checkpoints.read_run_config(model_dir))
         self.config = config = config.replace(data_dir=data_dir or config.data_dir)
         runtime = strategy_lib.create("one_device")  # the evaluator's own device
         self.strategy = strategy = runtime.strategy
         precision = strategy_lib.resolve_precision(config.precision, runtime.device_kind,
                                                    config.deterministic)
-        spec = sources.get_spec(config.dataset)
+        self.spec = spec = sources.get_spec(config.dataset)
         self.plan = build.plan(config, spec, 1)
         # The weights come from the checkpoints; a teacher is not needed to evaluate.
         self.run = run = build.build_run(config, spec, self.plan, strategy, precision,
@@ -94,7 +89,7 @@ class Evaluator:
                 f"{checkpoint_path} does not fit the run's model "
                 f"({str(err).splitlines()[0][:160]})") from err
         evaluate = lambda: evaluation.evaluate(  # noqa: E731
-            self.eval_loop, self.eval_dataset, self.plan.eval_steps, self.run.task)
+            self.eval_loop, self.eval_dataset, self.plan, self.spec, self.run.task)
         result = (averaging.evaluate_raw_and_averaged(evaluate, self.optimizer)
                   if self.optimizer else evaluate())
         step_number = int(checkpoint_path.rsplit("-", 1)[-1])
@@ -107,9 +102,8 @@ def _run_done(model_dir: str) -> bool:
     """The training run has finished (its metrics.json says so)."""
     path = os.path.join(model_dir, recorder_lib.METRICS_FILE)
     try:
-        with tf.io.gfile.GFile(path) as f:
-            return json.load(f).get("status") == "done"
-    except (tf.errors.OpError, ValueError):
+        return files.read_json(path).get("status") == "done"
+    except files.BadFileError:  # not yet written, or being replaced
         return False
 
 
@@ -139,7 +133,7 @@ def evaluate_checkpoints(model_dir: str, output_dir: str, checkpoint: str | None
                      progress_lib.format_test_metrics(result), result["test_examples"])
         records.append(result)
         writer.eval(result)
-        progress_lib.write_json(os.path.join(output_dir, EVALUATIONS_FILE),
+        files.write_json(os.path.join(output_dir, EVALUATIONS_FILE),
                                 {"model_dir": model_dir, "evaluations": records})
 
     if not watch:
@@ -188,8 +182,9 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     output_dir = FLAGS.output_dir or os.path.join(FLAGS.model_dir, "evaluator")
     try:
-        records = evaluate_checkpoints(FLAGS.model_dir, output_dir, FLAGS.checkpoint,
-                                       FLAGS.watch, FLAGS.timeout, FLAGS.data_dir)
+        with locks.held(output_dir, "trainer.evaluate"):  # one writer per directory
+            records = evaluate_checkpoints(FLAGS.model_dir, output_dir, FLAGS.checkpoint,
+                                           FLAGS.watch, FLAGS.timeout, FLAGS.data_dir)
     except main_lib.USER_ERRORS as err:
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)

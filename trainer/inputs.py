@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from data import augment, pipeline, sources
+from trainer import strategy as strategy_lib
 from trainer.config import Config
 
 
@@ -23,10 +24,12 @@ def _prepare(config: Config, spec: sources.DatasetSpec):
 
 
 def train_input_fn(config: Config, spec: sources.DatasetSpec, train_examples: int,
-                   start_step: int = 0, end_step: int | None = None):
+                   start_step: int = 0, end_step: int | None = None,
+                   counts: list | None = None):
     """The training input for `distribute_datasets_from_function`: each input
     worker's pipeline, resuming at `start_step` (the data position is the step) and
-    ending at `end_step` (None: endless)."""
+    ending at `end_step` (None: endless). counts: gets the examples each of this
+    process's pipelines read (for `check_train_count`)."""
     train_augment = augment.TRAIN_AUGMENTATIONS[config.augment or spec.augment]
 
     def train_fn(context):
@@ -40,8 +43,22 @@ def train_input_fn(config: Config, spec: sources.DatasetSpec, train_examples: in
                                    start_step=start_step, end_step=end_step,
                                    mix=augment.make_mix(spec.num_classes, config.mixup_alpha,
                                                         config.cutmix_alpha),
-                                   alternating_flip=config.alternating_flip)
+                                   alternating_flip=config.alternating_flip,
+                                   counts=counts)
     return train_fn
+
+
+def check_train_count(strategy: tf.distribute.Strategy, spec: sources.DatasetSpec,
+                      counts: list[int], promised: int) -> None:
+    """DatasetError (one line) unless the training pipelines of all workers read
+    `promised` examples together: never a silent smaller epoch."""
+    read = sum(counts)
+    if strategy_lib.is_multi_worker(strategy):  # each worker read its shard: add up
+        local = len(strategy.extended.worker_devices)  # (replicas of this worker)
+        read = int(round(float(strategy.reduce(
+            tf.distribute.ReduceOp.SUM,
+            strategy.run(lambda: tf.constant(read / local, tf.float64)), axis=None))))
+    sources.check_count(spec, False, read, promised)
 
 
 def resize_uint8(image, size: int) -> np.ndarray:

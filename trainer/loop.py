@@ -12,7 +12,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from data import sources
+from data import files, sources
 from trainer import averaging, build, checkpoints, distributed, evaluation, faults
 from trainer import flops, inputs, schedules
 from trainer import strategy as strategy_lib
@@ -30,11 +30,10 @@ def plot_schedule(config: Config) -> str:
     schedule = build.make_schedule(config, plan)
     tf.io.gfile.makedirs(config.model_dir)
     path = os.path.join(config.model_dir, "lr_schedule.png")
-    with tf.io.gfile.GFile(path, "wb") as f:
-        f.write(figures.png_bytes(figures.schedule(
-            schedules.sample_points(schedule, 200), plan.steps_per_epoch,
-            f"{config.lr_schedule} schedule: {config.model} on {config.dataset}, "
-            f"{plan.total_steps} steps")))
+    files.write_atomically(path, figures.png_bytes(figures.schedule(
+        schedules.sample_points(schedule, 200), plan.steps_per_epoch,
+        f"{config.lr_schedule} schedule: {config.model} on {config.dataset}, "
+        f"{plan.total_steps} steps")))
     logging.info("LR schedule %s: %s", config.lr_schedule, schedules.describe(schedule))
     return path
 
@@ -61,11 +60,15 @@ def _next_stop(step: int, total: int, steps_per_loop: int, *intervals: int,
     return min(stops)
 
 
-def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
+def train_and_evaluate(config: Config, display: IO | None = None,
+                       sigterm: faults.SigtermWatcher | None = None) -> dict:
     """Trains `config` in config.model_dir (resuming if a checkpoint is there),
     evaluates, saves `model.weights.h5`, `metrics.json`, `summary.png` and
     TensorBoard summaries; returns the final metrics. display: where the live
-    progress bar goes if it is a terminal (default stderr; else plain log lines)."""
+    progress bar goes if it is a terminal (default stderr; else plain log lines).
+    sigterm: the command's watcher (installed before this is called), else one
+    installed for the training steps."""
+    sigterm = sigterm or faults.SigtermWatcher()
     # --- Devices, precision, seeds --------------------------------------------------
     runtime = strategy_lib.create(config.strategy, config.tpu, config.require_tpu,
                                   config.cpu_replicas)
@@ -121,9 +124,11 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
 
     # --- Input pipelines: the stream resumes at the step ----------------------------
     with inputs.data_errors_explained(spec):  # the training cache is filled here
+        train_counts: list[int] = []  # what each pipeline read: all that was promised?
         train_dataset = strategy.distribute_datasets_from_function(
             inputs.train_input_fn(config, spec, plan.train_examples, start_step,
-                                  plan.total_steps))
+                                  plan.total_steps, train_counts))
+        inputs.check_train_count(strategy, spec, train_counts, plan.train_examples)
         eval_dataset = strategy.distribute_datasets_from_function(
             inputs.eval_input_fn(config, spec))
         samples = (evaluation.load_samples(spec, inputs.image_shape(config, spec)[0],
@@ -139,8 +144,8 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
         """The evaluated weights' metrics (the average with --ema_decay, and then
         the raw weights' metrics too)."""
         return averaging.evaluate_raw_and_averaged(
-            lambda: evaluation.evaluate(eval_loop, eval_dataset, plan.eval_steps, task,
-                                        model, samples), optimizer)
+            lambda: evaluation.evaluate(eval_loop, eval_dataset, plan, spec, task, model,
+                                        samples), optimizer)
 
     # --- What people see --------------------------------------------------------------
     display = display or sys.stderr
@@ -164,8 +169,8 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
                                 "train_seconds": progress.train_seconds, **result})
         if is_chief and recorder.improved(record):  # keep the best weights
             with averaging.averaged_weights(optimizer):  # (those just evaluated)
-                model.save_weights(os.path.join(config.model_dir,
-                                                inference.BEST_WEIGHTS_FILE))
+                checkpoints.save_weights(model, os.path.join(config.model_dir,
+                                                             inference.BEST_WEIGHTS_FILE))
 
     # --- Train: in-graph loops of up to steps_per_loop steps --------------------------
     every = {"eval": config.eval_every or plan.steps_per_epoch,
@@ -174,7 +179,7 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
     current, evaluated = start_step, False
     profile = profile if is_chief else ()  # one trace, the chief's
     profiling = False
-    with inputs.data_errors_explained(spec), faults.SigtermWatcher() as sigterm, (
+    with inputs.data_errors_explained(spec), sigterm.while_training(), (
             bars.above_the_bar() if bars else contextlib.nullcontext()), (
             _profiler_stopped_at_exit() if profile else contextlib.nullcontext()):
         train_iterator = iter(train_dataset)
@@ -251,7 +256,8 @@ def train_and_evaluate(config: Config, display: IO | None = None) -> dict:
             "per_replica_batch_size": plan.per_replica_batch,
         }
         if is_chief:
-            model.save_weights(os.path.join(config.model_dir, inference.WEIGHTS_FILE))
+            checkpoints.save_weights(model, os.path.join(config.model_dir,
+                                                         inference.WEIGHTS_FILE))
     metrics = recorder.finish(metrics, schedules.sample_points(schedule, 200),
                               plan.steps_per_epoch)
     logging.info("Done: %s on %d examples, %.1f s training, %.0f img/s",

@@ -4,8 +4,9 @@ Parses the flags (one per trainer.config.Config field, plus --plot_schedule) int
 one frozen Config, validates it before any heavy work, and calls
 `loop.train_and_evaluate`. Exit status: 0 done; 2 bad settings or input (a one-line
 error on stderr, before training); 3 the loss diverged (last good checkpoint kept);
-4 a multi-worker run lost a worker (restart all to resume); 5 a checkpoint could not
-be saved (disk full, no permission; the last good one is named and kept); 75
+4 a multi-worker run lost a worker (restart all to resume); 5 a checkpoint or a
+final output could not be written (disk full, no permission; the file is named, the
+last good checkpoint and the previous complete file are kept); 75
 preempted by SIGTERM
 (a checkpoint of the current step was saved: run the same command to resume).
 """
@@ -20,9 +21,10 @@ cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 
 from absl import app, flags, logging  # noqa: E402
 
-from data import sources  # noqa: E402
+from data import files, sources  # noqa: E402
 import models  # noqa: E402
-from trainer import checkpoints, config as config_lib, faults, loop, tasks  # noqa: E402
+from trainer import checkpoints, config as config_lib, faults, locks, loop  # noqa: E402
+from trainer import tasks  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 from trainer.settings import message_of  # noqa: E402
 
@@ -53,6 +55,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     """`app.run`'s flags_parser for every command:
     - absl's parsing, but an unknown, malformed or missing required flag is one
       `error: ...` line on stderr and exit status 2, like every other user error;
+    - a float flag that is nan or inf is the same one line (no range check sees it);
     - library logs (e.g. TF's SavedModel writer at INFO) only from WARNING unless
       --verbosity is given, each record once (TF's own stderr handler would repeat
       what absl's prints).
@@ -62,6 +65,11 @@ def parse_flags(argv: list[str]) -> list[str]:
     except flags.Error as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         sys.exit(2)
+    for name, value in FLAGS.flag_values_dict().items():  # nan < 0 is False: every
+        problem = config_lib.non_finite(name, value)  # range check would pass it
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            sys.exit(2)
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
     std_logging.getLogger("tensorflow").handlers.clear()
@@ -117,21 +125,29 @@ def main(argv: list[str]) -> None:
     # them; cli.parse_flags clears it too, but main may be called in-process).
     std_logging.getLogger("tensorflow").handlers.clear()
     try:
-        config = config_from_flags()
-        if FLAGS.plot_schedule:
-            print(f"wrote {loop.plot_schedule(config)}")
-            return
-        loop.train_and_evaluate(config)
+        with faults.SigtermWatcher() as sigterm:  # from here SIGTERM is one line, 75
+            config = config_from_flags()
+            # One trainer per run directory (the chief holds it for a multi-worker
+            # job), from before anything is written to it until any exit.
+            with locks.held(config.model_dir, "trainer.main",
+                            strategy_lib.is_chief_process(config.strategy)):
+                if FLAGS.plot_schedule:
+                    print(f"wrote {loop.plot_schedule(config)}")
+                    return
+                loop.train_and_evaluate(config, sigterm=sigterm)
+            if sigterm.requested:
+                raise faults.Preempted(f"SIGTERM while the final outputs were written "
+                                       f"(they are complete) in {config.model_dir}")
     except USER_ERRORS as err:
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)
-    except faults.Preempted as err:
+    except (faults.Preempted, faults.StoppedAtStartUp) as err:
         print(f"stopped: {err}", file=sys.stderr)
         sys.exit(faults.PREEMPTED_EXIT_CODE)
     except faults.TrainingDivergedError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(3)
-    except checkpoints.CheckpointSaveError as err:
+    except files.WriteError as err:  # a checkpoint or a final output (disk full, ...)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(5)
     except faults.PEER_FAILURES as err:

@@ -186,6 +186,13 @@ def unscale(optimizer: keras.optimizers.Optimizer, gradients: list) -> list:
     return [g / tf.cast(optimizer.dynamic_scale, g.dtype) for g in gradients]
 
 
+def float_state(optimizer: keras.optimizers.Optimizer) -> list:
+    """The optimizer's float variables an update changes (moments, an EMA of the
+    weights), not its step counter or a loss scale."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return [v for v in inner.variables if tf.as_dtype(v.dtype).is_floating]
+
+
 def apply_or_skip(optimizer: keras.optimizers.Optimizer, gradients: list, variables,
                   apply: tf.Tensor) -> None:
     """In a replica context: applies `gradients` (summed over replicas, unscaled) if

@@ -153,6 +153,11 @@ def sam_gradient(model, optimizer, task: Task, batch: dict, options: StepOptions
     return gradients, grad_norm, tf.logical_and(finite, tf.math.is_finite(grad_norm))
 
 
+def all_finite(variables: list) -> tf.Tensor:
+    """Whether every value of every variable is finite (one bool)."""
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in variables])
+
+
 def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, task: Task,
                batch: dict, options: StepOptions) -> dict[str, Metric]:
     """Forward, backward, the cross-replica sum, one update; on one replica."""
@@ -173,8 +178,13 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, task: 
                                               use_norm=grad_norm)
     # One update, the same on every replica (the optimizer does not sum again), or
     # none for a non-finite gradient; optimizer.iterations counts the step either way.
+    # A finite gradient can still overflow a weight (a huge learning rate): then the
+    # whole update is undone too, so no checkpoint ever holds a non-finite weight.
+    state = model.trainable_variables + optimizers.float_state(optimizer)
+    kept_state = [tf.identity(v) for v in state]
     optimizers.apply_or_skip(optimizer, gradients, model.trainable_variables, finite)
-    for variable, kept in zip(statistics, kept_statistics):
+    finite = tf.logical_and(finite, all_finite(state))
+    for variable, kept in zip(state + statistics, kept_state + kept_statistics):
         variable.assign(tf.where(finite, variable, kept))
     if options.lookahead_every:  # airbench: every k steps, back to the slow weights
         averaging.lookahead_step(optimizer, options.lookahead_every,

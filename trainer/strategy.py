@@ -11,6 +11,7 @@ AVX512-BF16, TF 2.21, see BUILD.md "Defaults and the evidence"):
 """
 import dataclasses
 import functools
+import json
 import os
 
 from absl import logging
@@ -184,6 +185,22 @@ def worker_role(strategy: tf.distribute.Strategy) -> tuple[bool, int]:
     has_chief = "chief" in resolver.cluster_spec().as_dict()
     return task_type == "chief" or (task_type == "worker" and task_id == 0
                                     and not has_chief), task_id
+
+
+def is_chief_process(strategy: str) -> bool:
+    """Whether this process is the chief, from TF_CONFIG, before a strategy exists
+    (worker_role's rule): every process but the other workers of a multi_worker job."""
+    if strategy != "multi_worker":
+        return True
+    try:
+        tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+        task = tf_config.get("task") or {}
+        has_chief = "chief" in (tf_config.get("cluster") or {})
+        return task.get("type") == "chief" or (
+            task.get("type", "worker") == "worker" and int(task.get("index", 0)) == 0
+            and not has_chief)
+    except (ValueError, AttributeError, TypeError):
+        return True  # strategy.create names a bad TF_CONFIG
 
 
 def is_multi_worker(strategy: tf.distribute.Strategy) -> bool:

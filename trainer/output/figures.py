@@ -57,9 +57,9 @@ def write_png(path: str, image) -> None:
     """Writes a uint8 [H, W, C] image as a PNG file (and its folder), atomically."""
     import os
     import tensorflow as tf  # (only here: the figures need no TensorFlow)
-    from trainer.output import progress
+    from data import files
     tf.io.gfile.makedirs(os.path.dirname(path) or ".")
-    progress.write_atomically(path, tf.io.encode_png(np.asarray(image, np.uint8)).numpy())
+    files.write_atomically(path, tf.io.encode_png(np.asarray(image, np.uint8)).numpy())
 
 
 def name_of(class_names, index: int) -> str:

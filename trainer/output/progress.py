@@ -1,12 +1,9 @@
 """Progress lines, images/sec, ETA, and small file helpers (atomic JSON, weight
 checksum)."""
 import hashlib
-import json
 import time
-import uuid
 
 import numpy as np
-import tensorflow as tf
 
 from absl import logging
 
@@ -161,24 +158,6 @@ class Stopwatch:
 
     def __exit__(self, *exc) -> None:
         self.seconds = self.elapsed()
-
-
-def write_atomically(path: str, data: bytes | str) -> None:
-    """Writes `data` to a temporary name unique to this writer, then renames it:
-    a crash mid-write leaves the old file or none, never half of one."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    try:
-        with tf.io.gfile.GFile(tmp, "wb" if isinstance(data, bytes) else "w") as f:
-            f.write(data)
-        tf.io.gfile.rename(tmp, path, overwrite=True)
-    finally:
-        if tf.io.gfile.exists(tmp):
-            tf.io.gfile.remove(tmp)
-
-
-def write_json(path: str, values: dict) -> None:
-    """Writes atomically: a crash mid-write never leaves a truncated file."""
-    write_atomically(path, json.dumps(values, indent=2, sort_keys=True))
 
 
 def weights_checksum(model) -> str:

@@ -3,14 +3,14 @@ metrics.json after every evaluation, so a killed or resumed run keeps its curve)
 TensorBoard summaries, and at the end summary.png and the final metrics.json.
 Only the chief writes files.
 """
-import json
 import os
 
 from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from trainer.output import figures, progress as reporting, summaries
+from data import files
+from trainer.output import figures, summaries
 
 METRICS_FILE = "metrics.json"
 SUMMARY_FILE = "summary.png"
@@ -100,7 +100,7 @@ class Recorder:
                 f"{self.title}: {self.describe(metrics)} (best {best:.4f}), "
                 f"{metrics['train_seconds']:.0f} s of training")
             path = os.path.join(self.model_dir, SUMMARY_FILE)
-            reporting.write_atomically(path, figures.png_bytes(fig))
+            files.write_atomically(path, figures.png_bytes(fig))
             logging.info("Wrote %s, %s and TensorBoard summaries (tensorboard "
                          "--logdir=%s)", path, METRICS_FILE, self.model_dir)
         return metrics
@@ -120,7 +120,7 @@ class Recorder:
         values = {**values, **self.best(), "eval_history": self.eval_history,
                   "train_history": self.train_history}
         if self.is_chief:
-            reporting.write_json(os.path.join(self.model_dir, METRICS_FILE), values)
+            files.write_json(os.path.join(self.model_dir, METRICS_FILE), values)
         return values
 
 
@@ -134,12 +134,12 @@ def _previous_history(model_dir: str, start_step: int) -> tuple[list, list]:
     if start_step == 0 or not tf.io.gfile.exists(path):
         return [], []
     try:
-        with tf.io.gfile.GFile(path) as f:
-            previous = json.load(f)
-    except (tf.errors.OpError, ValueError):
-        logging.warning("could not read %s; the history restarts at step %d",
-                        path, start_step)
+        previous = files.read_json(path)
+        histories = [previous.get(key, []) for key in ("train_history", "eval_history")]
+        if not all(isinstance(h, list) and all(isinstance(r, dict) and isinstance(
+                r.get("step"), (int, float)) for r in h) for h in histories):
+            raise files.BadFileError(f"{path} holds history records without a step")
+    except files.BadFileError as err:  # half written, or of another shape
+        logging.warning("%s; the history restarts at step %d", err, start_step)
         return [], []
-    keep = lambda history: [r for r in history if r["step"] <= start_step]  # noqa: E731
-    return (keep(previous.get("train_history", [])),
-            keep(previous.get("eval_history", [])))
+    return tuple([r for r in history if r["step"] <= start_step] for history in histories)

@@ -21,7 +21,7 @@ from absl import app, flags  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from data import augment, sources  # noqa: E402
+from data import augment, files, sources  # noqa: E402
 from trainer import checkpoints, main as main_lib  # noqa: E402
 from trainer.serving import inference  # noqa: E402
 from trainer.settings import message_of  # noqa: E402
@@ -70,7 +70,9 @@ def export(model_dir: str, export_dir: str) -> str:
     archive.track(trained.model)
     for name, (fn, signature) in serving_functions(trained).items():
         archive.add_endpoint(name, fn, input_signature=signature)
-    archive.write_out(export_dir, verbose=False)
+    # Whole or not at all: written beside export_dir, then renamed to it.
+    files.write_directory_atomically(
+        export_dir, lambda tmp: archive.write_out(tmp, verbose=False))
     return export_dir
 
 
@@ -93,6 +95,9 @@ def main(argv: list[str]) -> None:
     tf.config.set_visible_devices([], "GPU")
     try:
         path = export(FLAGS.model_dir, FLAGS.export_dir)
+    except files.WriteError as err:
+        print(f"error: {message_of(err)}", file=sys.stderr)
+        sys.exit(5)
     except (inference.InferenceError, sources.DatasetError, checkpoints.CheckpointError,
             ValueError) as err:
         print(f"error: {message_of(err)}", file=sys.stderr)

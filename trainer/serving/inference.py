@@ -4,7 +4,6 @@ images exactly as evaluation does (resize to the model's size, then the dataset'
 normalization). Used by predict, export and the pictures.
 """
 import dataclasses
-import json
 import os
 
 import keras
@@ -44,8 +43,7 @@ class TrainedModel:
             if not tf.io.gfile.exists(path):
                 raise InferenceError(f"{path} not found: --model_dir must be the "
                                      f"directory of a finished training run")
-        with tf.io.gfile.GFile(config_path) as f:
-            self.config = config_lib.from_dict(json.load(f))
+        self.config = config_lib.from_dict(checkpoints.read_run_config(model_dir))
         self.spec = _dataset_spec(self.config.dataset, model_dir)
         self.image_size = inputs.image_shape(self.config, self.spec)[0]
         keras.mixed_precision.set_global_policy("float32")  # CPU inference

@@ -11,7 +11,6 @@ export are those of classification: the student alone.
     python -m trainer.main --task=distill --teacher_dir=runs/airbench_cifar10
 """
 import dataclasses
-import json
 import os
 from typing import Callable
 
@@ -73,8 +72,7 @@ class Distill(classification.Classification):
             if not tf.io.gfile.exists(path):
                 raise ConfigError(f"--teacher_dir={directory}: {path} not found; give a "
                                   f"finished run's directory")
-        with tf.io.gfile.GFile(config_path) as f:
-            teacher = json.load(f)
+        teacher = checkpoints.read_run_config(directory, "--teacher_dir")
         if teacher.get("task", "classification") not in ("classification", "distill"):
             raise ConfigError(f"--teacher_dir={directory} is a {teacher['task']} run; "
                               f"the teacher must be a classifier")

@@ -15,7 +15,6 @@ Prints a Markdown table and writes JSON (--output). --cpu_replicas=2 runs our ca
 on 2 logical CPU devices (MirroredStrategy; model.fit then runs on the same strategy).
 """
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -29,12 +28,13 @@ from absl import app, flags  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from data import sources  # noqa: E402
+from data import files, sources  # noqa: E402
 import models  # noqa: E402
 from trainer import build, distributed, inputs  # noqa: E402
 from trainer.flops import peak_flops, training_flops_per_image  # noqa: E402
 from trainer.config import Config  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
+from trainer import main as main_lib  # noqa: E402  (its flags parser)
 
 FLAGS = flags.FLAGS
 
@@ -241,10 +241,9 @@ def main(argv: list[str]) -> None:
     result["replicas"] = len(devices)
     print(markdown(result))
     if FLAGS.output:
-        with tf.io.gfile.GFile(FLAGS.output, "w") as f:
-            json.dump(result, f, indent=2)
+        files.write_json(FLAGS.output, result)
 
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=main_lib.parse_flags)

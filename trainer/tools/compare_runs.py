@@ -23,6 +23,8 @@ cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 from absl import app, flags  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from trainer import main as main_lib  # noqa: E402  (its flags parser)
+
 FLAGS = flags.FLAGS
 
 
@@ -95,7 +97,8 @@ def group_rows(groups: dict[str, list[dict]], metric: str = "test_accuracy") -> 
 
 def plot(runs: dict[str, dict], path: str, target: float,
          metric: str = "test_accuracy") -> None:
-    from trainer.output import figures, progress
+    from data import files
+    from trainer.output import figures
     fig = figures.mpl_figure.Figure(figsize=(7, 4))
     ax = fig.subplots()
     for name, m in runs.items():
@@ -109,7 +112,7 @@ def plot(runs: dict[str, dict], path: str, target: float,
         ax.set(ylim=(max(0, 100 * target - 30), 100))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    progress.write_atomically(path, figures.png_bytes(fig))
+    files.write_atomically(path, figures.png_bytes(fig))
 
 
 def main(argv: list[str]) -> None:
@@ -149,4 +152,4 @@ if __name__ == "__main__":
     flags.DEFINE_string("metric", "", "The eval metric to compare, e.g. test_accuracy "
                         "(default: the one that picked the runs' best weights).")
     flags.DEFINE_string("plot", "", "Write the runs' accuracy-vs-seconds curves here.")
-    app.run(main)
+    app.run(main, flags_parser=main_lib.parse_flags)

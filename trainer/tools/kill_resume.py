@@ -9,7 +9,8 @@ WORK_DIR/reference. Then into WORK_DIR/killed, --kills times: start the same lau
 command, wait until it has written a new checkpoint, wait a random further 0 to
 --max_wait seconds, SIGKILL a random worker (the launcher then stops the others);
 then once more to the end. Prints every kill (time, worker, the step it resumed
-from) and both runs' weights_sha256: SAME (exit 0) or DIFFERENT (exit 1). Each
+from), both runs' weights_sha256 and what temporaries or locks the killed run left:
+SAME and none (exit 0), else exit 1. Each
 launch's output is kept in WORK_DIR/logs. Use --deterministic: without it the
 weights differ from run to run anyway.
 """
@@ -27,7 +28,8 @@ import time
 from absl import app, flags
 import tensorflow as tf
 
-from trainer import main as main_lib
+from data import files
+from trainer import locks, main as main_lib
 
 FLAGS = flags.FLAGS
 
@@ -155,9 +157,19 @@ def main(argv: list[str]) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     same = reference == killed
+    left = leftovers(os.path.join(FLAGS.work_dir, "killed"))
     print(f"weights_sha256 uninterrupted {reference}\nweights_sha256 killed        "
-          f"{killed}\n{'SAME' if same else 'DIFFERENT'}")
-    sys.exit(0 if same else 1)
+          f"{killed}\n{'SAME' if same else 'DIFFERENT'}\ntemporaries and locks left in "
+          f"the killed run: {', '.join(left) or 'none'}")
+    sys.exit(0 if same and not left else 1)
+
+
+def leftovers(directory: str) -> list[str]:
+    """Writers' temporaries and locks anywhere under `directory` (a run that ended
+    leaves none, however often it was killed)."""
+    return sorted(os.path.join(root, name) for root, dirs, names in
+                  tf.io.gfile.walk(directory) for name in [*dirs, *names]
+                  if files.is_temporary(name) or name == locks.LOCK_FILE)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@
 
 Starts N `trainer.main --strategy=multi_worker` processes on free localhost ports,
 each with its TF_CONFIG (worker 0 is the chief), prefixes every output line with
-its worker, and if one worker fails, stops the others (so none waits forever in a
-collective) and exits with the failed worker's status. On a real cluster, set
+its worker, and watches every worker: when one exits with an error (any index),
+it stops the others within GRACE_SECONDS (so none waits forever in a collective)
+and exits with that status if it is one of trainer.main's (2 bad settings, 3
+diverged, 5 a write failed, 75 preempted), else 4 (a worker died: killed, or
+crashed) with one line naming the worker. On a real cluster, set
 TF_CONFIG on each machine yourself and run trainer.main there.
 """
 import json
@@ -23,6 +26,10 @@ from trainer import main as main_lib
 
 FLAGS = flags.FLAGS
 GRACE_SECONDS = 10  # SIGTERM first (a checkpoint may be saved), then SIGKILL
+LOST_WORKER_EXIT_CODE = 4  # trainer.main's status for a lost worker
+# trainer.main's statuses that mean the same for the whole job: bad settings, the
+# loss diverged, a file could not be written, preempted.
+PASSED_ON = (2, 3, 5, 75)
 
 
 def free_ports(count: int) -> list[int]:
@@ -61,16 +68,19 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
-def launch(workers: int, trainer_args: list[str]) -> int:
-    """Runs the workers to the end; returns 0 or the first failing worker's status."""
+def launch(workers: int, trainer_args: list[str], program: list[str] | None = None
+           ) -> int:
+    """Runs the workers to the end; returns 0, or the exit status for the first
+    failing worker (see the module's docstring). program: what each worker runs
+    (default trainer.main with --strategy=multi_worker), before trainer_args."""
+    program = program or [sys.executable, "-m", "trainer.main", "--strategy=multi_worker"]
     ports = free_ports(workers)
     procs = []
     for index in range(workers):
         env = dict(os.environ, TF_CONFIG=tf_config(ports, index))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "trainer.main", "--strategy=multi_worker",
-             *trainer_args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, bufsize=1))
+            [*program, *trainer_args], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, bufsize=1))
     for index, proc in enumerate(procs):
         print(f"[launch] worker {index}: pid {proc.pid}, 127.0.0.1:{ports[index]}",
               file=sys.stderr, flush=True)
@@ -79,26 +89,36 @@ def launch(workers: int, trainer_args: list[str]) -> int:
     for thread in threads:
         thread.start()
     # SIGTERM to the launcher (a preemption) reaches every worker.
-    signal.signal(signal.SIGTERM, lambda *_: [p.send_signal(signal.SIGTERM)
-                                              for p in procs if p.poll() is None])
-    status = 0
+    previous = signal.signal(signal.SIGTERM, lambda *_: [
+        p.send_signal(signal.SIGTERM) for p in procs if p.poll() is None])
     try:
-        while any(p.poll() is None for p in procs):
-            failed = [(i, p.returncode) for i, p in enumerate(procs)
-                      if p.returncode not in (None, 0)]
-            if failed:
-                index, status = failed[0]
-                print(f"[launch] worker {index} exited with status {status}; stopping "
-                      f"the others", file=sys.stderr, flush=True)
-                _stop(procs)
+        while True:
+            states = [p.poll() for p in procs]  # every worker, each time
+            failed = [(i, code) for i, code in enumerate(states) if code not in (None, 0)]
+            if failed or all(code is not None for code in states):
                 break
             time.sleep(0.2)
     except KeyboardInterrupt:
         _stop(procs)
-        status = 130
+        signal.signal(signal.SIGTERM, previous)
+        return 130
+    status = 0
+    if failed:
+        index, code = failed[0]
+        status = code if code in PASSED_ON else LOST_WORKER_EXIT_CODE
+        if code in PASSED_ON:
+            print(f"[launch] worker {index} exited with status {code}; stopping the "
+                  f"others", file=sys.stderr, flush=True)
+        _stop(procs)
+        if code not in PASSED_ON:
+            how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+            print(f"error: worker {index} died ({how}); stopped the others: rerun the "
+                  f"same command to resume from the last checkpoint", file=sys.stderr,
+                  flush=True)
     for thread in threads:
         thread.join(timeout=5)
-    return status or next((p.returncode for p in procs if p.returncode), 0)
+    signal.signal(signal.SIGTERM, previous)
+    return status
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:

@@ -22,6 +22,8 @@ cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 from absl import app, flags  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from trainer import main as main_lib  # noqa: E402  (its flags parser)
+
 FLAGS = flags.FLAGS
 
 # (part, words of which one must be in an op's name or type), first match wins.
@@ -125,4 +127,4 @@ if __name__ == "__main__":
     flags.DEFINE_string("logdir", None, "A run's model_dir (or any directory above its "
                         "trace).", required=True)
     flags.DEFINE_integer("top", 15, "How many op types to list.")
-    app.run(main)
+    app.run(main, flags_parser=main_lib.parse_flags)

@@ -1,0 +1,145 @@
+"""Files written whole or not at all, through tf.io.gfile (local, gs://, ram://).
+
+Every file a run or a data writer leaves goes to a temporary name unique to its
+writer (`<name>.tmp-<32 hex>`), then is renamed over the final name: a crash, a
+kill -9 or a full disk leaves the previous complete file or none, never half of
+one. A temporary left by a killed writer is recognised by its name
+(`is_temporary`) and removed at the next start (`remove_stale_temporaries`).
+"""
+import json
+import os
+import re
+import uuid
+
+import tensorflow as tf
+
+# <name>.tmp-<uuid hex>: ours; <ckpt-N>_temp[...]: TensorFlow's checkpoint writer's.
+_TEMPORARY = re.compile(r"(\.tmp-[0-9a-f]{32}$)|(^ckpt-\d+_temp)")
+
+
+class WriteError(OSError):
+    """A file could not be written (no space, no permission); the previous complete
+    file of that name, if any, is intact. The message names the file."""
+
+
+def temporary_name(path: str) -> str:
+    """A name beside `path` that no other writer uses."""
+    return f"{path}.tmp-{uuid.uuid4().hex}"
+
+
+def is_temporary(name: str) -> bool:
+    """Whether a directory entry is a writer's temporary (ours or TF's checkpoints')."""
+    return bool(_TEMPORARY.search(os.path.basename(name.rstrip("/"))))
+
+
+def reason_of(err: Exception) -> str:
+    """The cause in an OS or TensorFlow error, one short line ("No space left on
+    device"), without TF's '{{function_node ...}}' prefix and path."""
+    message = (getattr(err, "message", None) or str(err) or type(err).__name__)
+    message = message.splitlines()[0] if message.strip() else type(err).__name__
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    return message.split("}}")[-1].rsplit(";", 1)[-1].strip()[:160]
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        if tf.io.gfile.isdir(path):
+            tf.io.gfile.rmtree(path)
+        elif tf.io.gfile.exists(path):
+            tf.io.gfile.remove(path)
+    except (tf.errors.OpError, OSError):
+        pass  # (the disk that failed the write may fail this too; the name is unique)
+
+
+class BadFileError(ValueError):
+    """A state file is unreadable, half written or of the wrong shape; the message
+    names it and says what is wrong (the caller adds what to do)."""
+
+
+def read_json(path: str, shape: type = dict, keys: tuple[str, ...] = ()):
+    """The JSON value in `path`, which must be a `shape` (dict or list) and, for a
+    dict, have `keys`. BadFileError otherwise, also for a half-written file."""
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            value = json.load(f)
+    except tf.errors.NotFoundError as err:
+        raise BadFileError(f"{path} not found") from err
+    except (tf.errors.OpError, ValueError) as err:  # (UnicodeDecodeError too)
+        raise BadFileError(f"{path} is not valid JSON ({reason_of(err)[:80]})") from err
+    if not isinstance(value, shape):
+        raise BadFileError(f"{path} holds a JSON {type(value).__name__}, not "
+                           f"{'an object' if shape is dict else 'a list'}")
+    missing = [key for key in keys if key not in value]
+    if missing:
+        raise BadFileError(f"{path} has no {', '.join(map(repr, missing))}")
+    return value
+
+
+def write_atomically(path: str, data: bytes | str) -> None:
+    """Writes `data` to a temporary name, then renames it to `path`. On failure the
+    temporary is removed and WriteError names `path`; the old file stays."""
+    tmp = temporary_name(path)
+    try:
+        with tf.io.gfile.GFile(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        tf.io.gfile.rename(tmp, path, overwrite=True)
+    except (tf.errors.OpError, OSError) as err:
+        _remove_quietly(tmp)
+        raise WriteError(f"could not write {path} ({reason_of(err)}); the previous "
+                         f"file of that name, if any, is intact") from err
+    except BaseException:  # e.g. a SIGTERM's exception during start-up
+        _remove_quietly(tmp)
+        raise
+
+
+def write_json(path: str, values) -> None:
+    """`write_atomically` of `values` as indented JSON."""
+    write_atomically(path, json.dumps(values, indent=2, sort_keys=True))
+
+
+def copy_atomically(source: str, path: str) -> None:
+    """Copies `source` to `path` whole or not at all."""
+    with tf.io.gfile.GFile(source, "rb") as f:
+        write_atomically(path, f.read())
+
+
+def write_directory_atomically(path: str, write) -> None:
+    """Calls `write(temporary_directory)`, then renames it to `path` (which must not
+    exist, or be empty). On failure the temporary directory is removed and
+    WriteError names `path`."""
+    tmp = temporary_name(path.rstrip("/"))
+    try:
+        write(tmp)
+        if tf.io.gfile.isdir(path) and not tf.io.gfile.listdir(path):
+            tf.io.gfile.rmtree(path)  # (an empty directory made beforehand)
+        tf.io.gfile.rename(tmp, path, overwrite=False)
+    except (tf.errors.OpError, OSError) as err:
+        _remove_quietly(tmp)
+        raise WriteError(f"could not write {path} ({reason_of(err)}); nothing was "
+                         f"left at that name") from err
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+
+
+def remove_stale_temporaries(directory: str) -> list[str]:
+    """Removes the temporaries (`is_temporary`) directly in `directory`, and in its
+    `.worker_tmp` (other workers' checkpoint copies); returns the names removed.
+    Call it only while no other writer uses the directory (trainer/locks.py)."""
+    removed = []
+    for folder in (directory, os.path.join(directory, ".worker_tmp")):
+        if not tf.io.gfile.isdir(folder):
+            continue
+        names = tf.io.gfile.listdir(folder)
+        if folder != directory:  # .worker_tmp/worker_N/ckpt-M_temp
+            names = [os.path.join(n.rstrip("/"), m) for n in names
+                     if tf.io.gfile.isdir(os.path.join(folder, n))
+                     for m in tf.io.gfile.listdir(os.path.join(folder, n))]
+        for name in names:
+            if is_temporary(name):
+                _remove_quietly(os.path.join(folder, name.rstrip("/")))
+                removed.append(os.path.relpath(os.path.join(folder, name.rstrip("/")),
+                                               directory)
+                               if "://" not in directory else name.rstrip("/"))
+    return removed

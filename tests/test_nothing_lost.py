@@ -1,0 +1,371 @@
+"""Nothing lost, nothing silent (issue 18): final writes whole or not at all, one
+writer per run directory, exact data counts, non-finite settings and weights,
+state files of the wrong shape, stale temporaries, SIGTERM at start-up, the
+launcher watching every worker."""
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from absl.testing import flagsaver
+import h5py
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import small_tfrecord_dataset
+from data import files, tfrecords
+from trainer import checkpoints, locks
+from trainer import main as main_lib
+from trainer.tools import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--model_size=tiny", "--dataset=synthetic", "--batch_size=16", "--train_steps=4",
+        "--steps_per_loop=2", "--log_every=2", "--precision=float32"]
+
+
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One finished tiny run (2 steps, a checkpoint at each), made once; tests copy it."""
+    model_dir = tmp_path_factory.mktemp("finished") / "run"
+    main_lib.define_flags()
+    with flagsaver.flagsaver():  # the command line's run, as `run` makes it
+        main_lib.parse_flags(["trainer.main", *TINY, "--train_steps=2",
+                              "--checkpoint_every=2", f"--model_dir={model_dir}",
+                              "--verbosity=0"])
+        main_lib.main(["trainer.main"])
+    return model_dir
+
+
+def _copy(finished, tmp_path):
+    import shutil
+    return shutil.copytree(finished, tmp_path / "run")
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def _leftovers(directory) -> list[str]:
+    return [os.path.join(root, name) for root, dirs, names in os.walk(directory)
+            for name in dirs + names if files.is_temporary(name) or name == locks.LOCK_FILE]
+
+
+# --- 1. Every file whole or not at all -------------------------------------------------
+
+def test_a_final_write_that_fails_exits_5_and_keeps_the_previous_weights(
+        tmp_path, run, monkeypatch, finished):
+    model_dir = _copy(finished, tmp_path)
+    before = _sha(model_dir / "model.weights.h5")
+    real_gfile = tf.io.gfile.GFile
+
+    class FullDisk(real_gfile):  # the final weights' temporary cannot be written
+        def write(self, data):
+            if "model.weights.h5.tmp-" in self.name:
+                raise tf.errors.ResourceExhaustedError(None, None,
+                                                       "No space left on device")
+            return super().write(data)
+
+    monkeypatch.setattr(files.tf.io.gfile, "GFile", FullDisk)
+    status, err = run(*TINY, "--train_steps=6", f"--model_dir={model_dir}")
+    assert status == 5, err[-1500:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: could not write ") and "model.weights.h5" in last
+    assert "No space left on device" in last and "Traceback" not in err
+    assert _sha(model_dir / "model.weights.h5") == before  # bitwise the old file
+    assert not _leftovers(model_dir)
+
+
+def test_weights_made_in_memory_are_keras_own_file(tmp_path, tiny_model_and_data):
+    """The private Keras writer checkpoints.weights_h5_bytes relies on: if an upgrade
+    changes it, this fails (it must load with the public load_weights, to the same
+    values, and hold the same datasets as model.save_weights' file)."""
+    model = tiny_model_and_data
+    path = tmp_path / "a.weights.h5"
+    checkpoints.save_weights(model, str(path))
+    model.save_weights(str(tmp_path / "b.weights.h5"))
+    original = model.get_weights()
+    model.set_weights([w * 0 for w in original])
+    model.load_weights(str(path))
+    for got, want in zip(model.get_weights(), original):
+        np.testing.assert_array_equal(got, want)
+
+    def datasets(name):
+        found = {}
+        with h5py.File(tmp_path / name) as f:
+            f.visititems(lambda key, item: found.__setitem__(key, item[()])
+                         if isinstance(item, h5py.Dataset) else None)
+        return found
+    a, b = datasets("a.weights.h5"), datasets("b.weights.h5")
+    assert a.keys() == b.keys() and len(a) > 0
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
+
+
+@pytest.fixture
+def tiny_model_and_data():
+    import models
+    model = models.build("cifar_cnn", 10, (32, 32, 3), tiny=True)
+    model(np.zeros((1, 32, 32, 3), np.float32))
+    return model
+
+
+def test_atomic_writes_leave_the_old_file_or_none_on_any_filesystem(monkeypatch):
+    path = "ram://atomic/metrics.json"
+    files.write_json(path, {"a": 1})
+    real_rename = tf.io.gfile.rename
+    monkeypatch.setattr(files.tf.io.gfile, "rename", lambda *a, **k: (_ for _ in ()).throw(
+        tf.errors.PermissionDeniedError(None, None, "Permission denied")))
+    with pytest.raises(files.WriteError, match="could not write ram://atomic/metrics.json "
+                                               r"\(Permission denied\)"):
+        files.write_json(path, {"a": 2})
+    monkeypatch.setattr(files.tf.io.gfile, "rename", real_rename)
+    assert files.read_json(path) == {"a": 1}
+    assert tf.io.gfile.listdir("ram://atomic") == ["metrics.json"]
+
+
+def test_tfrecord_shards_and_an_export_appear_whole(tmp_path, monkeypatch):
+    real = tf.io.TFRecordWriter
+
+    class FailsAtTheThird(real):
+        count = 0
+
+        def write(self, record):
+            FailsAtTheThird.count += 1
+            if FailsAtTheThird.count == 3:
+                raise tf.errors.ResourceExhaustedError(None, None, "No space left")
+            return super().write(record)
+
+    monkeypatch.setattr(tfrecords.tf.io, "TFRecordWriter", FailsAtTheThird)
+    with pytest.raises(files.WriteError, match="could not write .*shard-01-2.tfrec"):
+        tfrecords.write_shards((b"x" for _ in range(4)), 4, str(tmp_path / "shard-"), 2)
+    assert sorted(os.listdir(tmp_path)) == ["shard-00-2.tfrec"]  # whole, and only it
+
+    def fails(tmp):
+        tf.io.gfile.makedirs(tmp)
+        open(os.path.join(tmp, "saved_model.pb"), "w").write("half")
+        raise tf.errors.ResourceExhaustedError(None, None, "No space left")
+    with pytest.raises(files.WriteError):
+        files.write_directory_atomically(str(tmp_path / "export"), fails)
+    assert sorted(os.listdir(tmp_path)) == ["shard-00-2.tfrec"]
+
+
+# --- 2. One trainer per run directory ---------------------------------------------------
+
+def test_a_second_holder_is_refused_naming_the_first_and_a_dead_ones_lock_is_stale(
+        tmp_path):
+    lock = locks.acquire(str(tmp_path), "trainer.main")
+    with pytest.raises(locks.DirectoryInUse, match=rf"in use by trainer.main \(host "
+                       rf"{socket.gethostname()}, pid {os.getpid()}, since 20"):
+        locks.acquire(str(tmp_path), "trainer.evaluate")
+    lock.release()
+    assert not (tmp_path / locks.LOCK_FILE).exists()
+    # A holder killed with -9 on this host: its pid is gone.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    record = {"token": "old", "host": socket.gethostname(), "pid": dead.pid,
+              "since": time.time(), "renewed": time.time(), "command": "trainer.main"}
+    (tmp_path / locks.LOCK_FILE).write_text(json.dumps(record))
+    locks.acquire(str(tmp_path), "trainer.main").release()
+    # Another machine: alive while it renews its lease, stale after.
+    record.update(host="elsewhere", pid=1)
+    (tmp_path / locks.LOCK_FILE).write_text(json.dumps(record))
+    with pytest.raises(locks.DirectoryInUse, match="host elsewhere"):
+        locks.acquire(str(tmp_path), "trainer.main")
+    record["renewed"] = time.time() - locks.LEASE_SECONDS - 1
+    (tmp_path / locks.LOCK_FILE).write_text(json.dumps(record))
+    locks.acquire(str(tmp_path), "trainer.main").release()
+
+
+def test_the_lock_works_on_a_filesystem_without_exclusive_create(monkeypatch):
+    monkeypatch.setattr(locks, "SETTLE_SECONDS", 0.01)
+    lock = locks.acquire("ram://locked/run", "trainer.main")
+    with pytest.raises(locks.DirectoryInUse):
+        locks.acquire("ram://locked/run", "trainer.main")
+    lock.release()
+    locks.acquire("ram://locked/run", "trainer.main").release()
+
+
+@pytest.mark.long(40)
+def test_two_trainers_on_one_directory_one_trains_and_a_kill_9_needs_no_cleanup(tmp_path):
+    model_dir = tmp_path / "run"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    args = [sys.executable, "-m", "trainer.main", *TINY, "--train_steps=100000",
+            "--checkpoint_every=2", f"--model_dir={model_dir}"]
+    first = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not list(model_dir.glob("ckpt-*.index")) and time.time() < deadline:
+            time.sleep(0.2)
+        config_before = (model_dir / "run_config.json").read_text()
+        second = subprocess.run([*args, "--learning_rate=0.5", "--seed=3"], cwd=ROOT,
+                                env=env, capture_output=True, text=True, timeout=120)
+        assert first.poll() is None, "the first run ended; make it longer"
+    finally:
+        first.kill()  # kill -9: it leaves its lock
+        first.wait()
+    assert second.returncode == 2, second.stderr[-1500:]
+    line = second.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {model_dir} is in use by trainer.main (host "), line
+    assert f"pid {first.pid}" in line and "Traceback" not in second.stderr
+    assert (model_dir / "run_config.json").read_text() == config_before
+    assert (model_dir / locks.LOCK_FILE).exists()  # left by the kill -9
+    third = subprocess.run([*args[:-2], "--train_steps=4", f"--model_dir={model_dir}"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert third.returncode == 0, third.stderr[-1500:]
+    assert "taking over the stale lock" in third.stderr and "Resumed from" in third.stderr
+    assert not _leftovers(model_dir)
+
+
+def test_an_evaluator_cannot_write_into_a_directory_a_trainer_holds(tmp_path, capsys):
+    lock = locks.acquire(str(tmp_path / "run"), "trainer.main")
+    try:
+        from trainer import evaluate
+        evaluate.define_flags()
+        with flagsaver.flagsaver():
+            main_lib.FLAGS(["trainer.evaluate", f"--model_dir={tmp_path}/run",
+                            f"--output_dir={tmp_path}/run"])
+            with pytest.raises(SystemExit) as exit_:
+                evaluate.main(["trainer.evaluate"])
+    finally:
+        lock.release()
+    assert exit_.value.code == 2
+    assert "is in use by trainer.main" in capsys.readouterr().err
+
+
+# --- 3. Data counts ---------------------------------------------------------------------
+
+def test_a_shard_cut_at_a_record_boundary_is_one_line_naming_both_counts(tmp_path, run):
+    path = small_tfrecord_dataset(tmp_path, per_class=6)  # 12 records in one shard
+    records = [r.numpy() for r in tf.data.TFRecordDataset(path)]
+    with tf.io.TFRecordWriter(path) as writer:  # cleanly cut: the first 7 records
+        for record in records[:7]:
+            writer.write(record)
+    status, err = run("--model=convnet", "--model_size=tiny",
+                       f"--dataset=tfrecord:{path}", "--batch_size=2", "--train_steps=2",
+                       f"--model_dir={tmp_path}/run")
+    assert status == 2, err[-1500:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: the files '{path}'") and "promise" in line
+    assert "but 5 were read" in line or "were read" in line
+    assert "Traceback" not in err
+
+
+# --- 4. Non-finite settings and weights -------------------------------------------------
+
+@pytest.mark.parametrize("flag", ["--learning_rate=nan", "--learning_rate=inf",
+                                  "--weight_decay=-inf", "--distill_alpha=nan",
+                                  "--learning_rate=1e39"])
+def test_non_finite_float_flags_are_one_line(tmp_path, run, flag):
+    status, err = run(*TINY, flag, f"--model_dir={tmp_path}/run")
+    line = err.strip().splitlines()[-1]
+    assert status == 2 and line.startswith(f"error: {flag.split('=')[0]}="), line
+    assert "give a finite number" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_update_that_overflows_the_weights_is_skipped_and_never_saved(
+        tmp_path, run):
+    # 3e38 is float32's largest order of magnitude: updates overflow, or leave weights
+    # so large that the next gradient does.
+    status, err = run(*TINY, "--optimizer=sgd", "--learning_rate=3e38",
+                       "--on_nan=skip_step", f"--model_dir={tmp_path}/run")
+    assert status == 0, err[-1500:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["skipped_steps"] >= 1  # (the step's own test: test_step.py)
+    with h5py.File(tmp_path / "run" / "model.weights.h5") as f:
+        arrays = []
+        f.visititems(lambda k, v: arrays.append(v[()]) if isinstance(v, h5py.Dataset)
+                     else None)
+    assert arrays and all(np.all(np.isfinite(a)) for a in arrays)
+    reader = tf.train.load_checkpoint(str(tmp_path / "run" / "ckpt-4"))
+    for name in reader.get_variable_to_shape_map():
+        value = reader.get_tensor(name)
+        if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+            assert np.all(np.isfinite(value)), name
+    status, err = run(*TINY, "--optimizer=sgd", "--learning_rate=3e38",
+                       "--on_nan=stop", f"--model_dir={tmp_path}/stop")
+    assert status == 3 and "non-finite" in err.strip().splitlines()[-1]
+
+
+# --- 5. State files of the wrong shape ---------------------------------------------------
+
+@pytest.mark.parametrize("text,message", [
+    ("[]", "holds a JSON list, not an object"),
+    ('{"model": "cifar_cnn"', "is not valid JSON"),
+    ('{"seed": 1}', "has no 'model', 'dataset'"),
+])
+def test_a_run_config_of_the_wrong_shape_is_one_line(tmp_path, run, text, message):
+    (tmp_path / "run_config.json").write_text(text)
+    status, err = run(*TINY, f"--model_dir={tmp_path}")
+    assert status == 2 and message in err.strip().splitlines()[-1]
+    assert "Traceback" not in err and (tmp_path / "run_config.json").read_text() == text
+
+
+def test_metrics_of_the_wrong_shape_restart_the_history_with_a_warning(tmp_path, run,
+                                                                      finished):
+    model_dir = _copy(finished, tmp_path)
+    (model_dir / "metrics.json").write_text('{"train_history": [{"loss": 1}]}')
+    status, err = run(*TINY, f"--model_dir={model_dir}")
+    assert status == 0, err[-1500:]
+    assert "holds history records without a step; the history restarts" in err
+    for path in ("ram://shape/a.json",):
+        files.write_atomically(path, "[1]")
+        with pytest.raises(files.BadFileError, match="a JSON list, not an object"):
+            files.read_json(path)
+
+
+# --- 6. Stale temporaries ---------------------------------------------------------------
+
+def test_stale_temporaries_are_removed_at_start_up_and_complete_files_kept(
+        tmp_path, run, finished):
+    model_dir = _copy(finished, tmp_path)
+    (model_dir / "ckpt-4_temp").mkdir()  # as a kill -9 mid-save leaves them
+    (model_dir / "ckpt-4_temp" / "part-00000-of-00001.data-00000-of-00001").write_text("x")
+    (model_dir / f"metrics.json.tmp-{'a' * 32}").write_text("{")
+    (model_dir / "notes.tmp").write_text("a user's file")  # not a writer's temporary
+    status, err = run(*TINY, f"--model_dir={model_dir}")
+    assert status == 0, err[-1500:]
+    assert "removed 2 temporary file(s)" in err and "ckpt-4_temp" in err
+    assert not _leftovers(model_dir)
+    assert (model_dir / "notes.tmp").exists() and (model_dir / "ckpt-2.index").exists()
+
+
+# --- 7. SIGTERM during start-up ---------------------------------------------------------
+
+def test_sigterm_during_start_up_exits_75_with_one_line(tmp_path, run, monkeypatch):
+    from trainer import inputs
+    real = inputs.train_input_fn
+
+    def signalled(*args, **kwargs):  # SIGTERM arrives while the data is prepared
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(inputs, "train_input_fn", signalled)
+    status, err = run(*TINY, f"--model_dir={tmp_path}/run")
+    assert status == 75
+    assert err.strip().splitlines()[-1].startswith("stopped: signal 15 during start-up")
+    assert not _leftovers(tmp_path) and not list((tmp_path / "run").glob("ckpt-*"))
+
+
+# --- 8. The launcher watches every worker -------------------------------------------------
+
+@pytest.mark.parametrize("dies", [0, 1])
+def test_the_launcher_stops_all_when_any_worker_dies_and_exits_4(capsys, dies):
+    """Workers that sleep; worker `dies` kills itself with -9 after 1 s."""
+    script = ("import json, os, signal, time; "
+              "index = json.loads(os.environ['TF_CONFIG'])['task']['index']; "
+              f"time.sleep(1); index == {dies} and os.kill(os.getpid(), signal.SIGKILL); "
+              "time.sleep(120)")
+    start = time.time()
+    status = launch.launch(3, [], program=[sys.executable, "-c", script])
+    assert status == 4 and time.time() - start < 30
+    err = capsys.readouterr().err
+    assert f"error: worker {dies} died (killed by signal 9); stopped the others" in err
