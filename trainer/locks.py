@@ -8,10 +8,9 @@ multi-worker job the chief holds it for the job.
 The lock is a small JSON file, so it works on any tf.io.gfile filesystem (gs://
 has no flock). A holder killed with -9, or a machine that was lost, leaves it
 behind; it is stale, and taken over without anyone deleting it, when
-- the holder ran on this host and its process is gone (or the pid now belongs to
-  a process started later), or
-- the holder ran elsewhere and has not renewed its lease (every RENEW_SECONDS)
-  for LEASE_SECONDS.
+- the holder ran on this host and its process is gone, or
+- it has not renewed its lease (every RENEW_SECONDS) for LEASE_SECONDS: a holder
+  on another machine that was lost, or a pid reused by another process here.
 Creating the file is exclusive on a local disk (O_EXCL); elsewhere the writer
 writes its token, waits SETTLE_SECONDS and reads it back (the last writer wins).
 """
@@ -40,24 +39,14 @@ class DirectoryInUse(CheckpointError):
     """Another live process holds the directory (exit status 2)."""
 
 
-def _process_start(pid: int) -> str | None:
-    """The start time of process `pid` on this host (Linux), to tell a reused pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pid: int, started: str | None) -> bool:
+def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process: alive
-        return True
-    now = _process_start(pid)
-    return started is None or now is None or now == started
+        pass
+    return True
 
 
 def _read(path: str) -> dict | None:
@@ -76,8 +65,9 @@ def _read(path: str) -> dict | None:
 def _stale(record: dict) -> bool:
     if record.get("token") == "unreadable":
         return True
-    if record.get("host") == socket.gethostname():
-        return not _alive(int(record.get("pid", -1)), record.get("pid_start"))
+    if record.get("host") == socket.gethostname() and not _alive(int(record.get("pid", -1))):
+        return True
+    # Elsewhere, or a pid now used by another process: the lease tells.
     return time.time() - float(record.get("renewed", 0)) > LEASE_SECONDS
 
 
@@ -154,7 +144,7 @@ def acquire(directory: str, command: str) -> Lock:
     path = os.path.join(directory, LOCK_FILE)
     pid = os.getpid()
     record = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": pid,
-              "pid_start": _process_start(pid), "command": command,
+              "command": command,
               "since": time.time(), "renewed": time.time()}
     for _ in range(3):
         try:

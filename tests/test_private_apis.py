@@ -1,0 +1,67 @@
+"""Every private Keras or TensorFlow API the project leans on, one test each: if an
+upgrade renames, moves or changes one, its test fails here, loudly, instead of the
+framework going wrong quietly. (`_all_reduce_sum_gradients`, the worst of them, is
+tests/test_optimizers.py's.)"""
+import inspect
+import io
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from conftest import CPUS, mirrored
+from models import layers
+from trainer import checkpoints, optimizers
+from trainer import strategy as strategy_lib
+
+
+def test_in_multi_worker_mode_tells_one_process_from_a_job():
+    """trainer/strategy.py: strategy.extended._in_multi_worker_mode() (True under a
+    TF_CONFIG job: tests/test_multi_worker.py's runs depend on it)."""
+    for strategy in (tf.distribute.OneDeviceStrategy(CPUS[0]), mirrored()):
+        assert strategy.extended._in_multi_worker_mode() is False  # noqa: SLF001
+        assert strategy_lib.is_multi_worker(strategy) is False
+
+
+def test_get_variable_index_is_the_build_order_of_the_variables():
+    """trainer/optimizers.py: optimizer._get_variable_index(variable), the index of
+    the per-variable learning-rate multipliers."""
+    variables = [keras.Variable(np.ones(3, np.float32)), keras.Variable(np.ones(2, np.float32))]
+    optimizer = optimizers.create("sgd", 1.0, variables, momentum=0.0)
+    assert [optimizer._get_variable_index(v) for v in variables] == [0, 1]  # noqa: SLF001
+    optimizer.set_lr_multipliers([1.0, 3.0])
+    optimizer.apply([tf.ones(3), tf.ones(2)], variables)
+    np.testing.assert_allclose(variables[0].numpy(), 0.0)
+    np.testing.assert_allclose(variables[1].numpy(), -2.0)  # 1 - 3 x 1
+
+
+def test_strategy_supports_no_merge_call_is_false_in_a_cpu_replica_context():
+    """trainer/optimizers.py: tf.__internal__.distribute.strategy_supports_no_merge_call
+    picks apply_or_skip's path; on CPUs it must be the merge_call one."""
+    check = tf.__internal__.distribute.strategy_supports_no_merge_call
+    strategy = mirrored()
+    values = strategy.run(lambda: tf.constant(float(check())))
+    assert [float(v) for v in strategy.experimental_local_results(values)] == [0.0, 0.0]
+
+
+def test_keras_weights_writer_takes_a_bytes_buffer():
+    """trainer/checkpoints.py: keras.src.saving.saving_lib.H5IOStore(BytesIO) and
+    _save_state(model, weights_store=, assets_store=, inner_path=,
+    visited_saveables=) make model.save_weights' file in memory."""
+    from keras.src.saving import saving_lib
+    assert {"weights_store", "assets_store", "inner_path", "visited_saveables"} <= set(
+        inspect.signature(saving_lib._save_state).parameters)  # noqa: SLF001
+    saving_lib.H5IOStore(io.BytesIO(), mode="w").close()
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    data = checkpoints.weights_h5_bytes(model)
+    assert data.startswith(b"\x89HDF\r\n\x1a\n")  # an HDF5 file
+
+
+def test_flatten_layers_reaches_a_layer_inside_a_nested_model():
+    """models/layers.py: model._flatten_layers(include_self=False) finds the layers
+    initialised from data however deep they sit."""
+    inner = keras.Sequential([keras.Input((8, 8, 3)), layers.PatchWhitening(name="whiten")])
+    outer = keras.Sequential([keras.Input((8, 8, 3)), inner, keras.layers.Flatten()])
+    assert layers.needs_data(outer)
+    assert layers.init_from_data(outer, np.random.rand(16, 8, 8, 3).astype(np.float32)) == [
+        "whiten"]
