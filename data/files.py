@@ -6,9 +6,11 @@ kill -9 or a full disk leaves the previous complete file or none, never half of
 one. A temporary left by a killed writer is recognised by its name
 (`is_temporary`) and removed at the next start (`remove_stale_temporaries`).
 """
+import contextlib
 import json
 import os
 import re
+from typing import Iterator
 import uuid
 
 import tensorflow as tf
@@ -76,13 +78,17 @@ def read_json(path: str, shape: type = dict, keys: tuple[str, ...] = ()):
     return value
 
 
-def write_atomically(path: str, data: bytes | str) -> None:
-    """Writes `data` to a temporary name, then renames it to `path`. On failure the
-    temporary is removed and WriteError names `path`; the old file stays."""
-    tmp = temporary_name(path)
+@contextlib.contextmanager
+def written_whole(path: str) -> Iterator[str]:
+    """`with written_whole(path) as tmp:` write the file (or directory) `tmp`; at
+    the end it is renamed to `path`, replacing a file (or an empty directory) of
+    that name. On failure the temporary is removed and WriteError names `path`; the
+    previous file stays. The one mechanism every writer here uses."""
+    tmp = temporary_name(path.rstrip("/"))
     try:
-        with tf.io.gfile.GFile(tmp, "wb" if isinstance(data, bytes) else "w") as f:
-            f.write(data)
+        yield tmp
+        if tf.io.gfile.isdir(path) and not tf.io.gfile.listdir(path):
+            tf.io.gfile.rmtree(path)  # (an empty directory made beforehand)
         tf.io.gfile.rename(tmp, path, overwrite=True)
     except (tf.errors.OpError, OSError) as err:
         _remove_quietly(tmp)
@@ -91,6 +97,13 @@ def write_atomically(path: str, data: bytes | str) -> None:
     except BaseException:  # e.g. a SIGTERM's exception during start-up
         _remove_quietly(tmp)
         raise
+
+
+def write_atomically(path: str, data: bytes | str) -> None:
+    """Writes `data` to `path` whole or not at all (`written_whole`)."""
+    with written_whole(path) as tmp:
+        with tf.io.gfile.GFile(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
 
 
 def write_json(path: str, values) -> None:
@@ -102,25 +115,6 @@ def copy_atomically(source: str, path: str) -> None:
     """Copies `source` to `path` whole or not at all."""
     with tf.io.gfile.GFile(source, "rb") as f:
         write_atomically(path, f.read())
-
-
-def write_directory_atomically(path: str, write) -> None:
-    """Calls `write(temporary_directory)`, then renames it to `path` (which must not
-    exist, or be empty). On failure the temporary directory is removed and
-    WriteError names `path`."""
-    tmp = temporary_name(path.rstrip("/"))
-    try:
-        write(tmp)
-        if tf.io.gfile.isdir(path) and not tf.io.gfile.listdir(path):
-            tf.io.gfile.rmtree(path)  # (an empty directory made beforehand)
-        tf.io.gfile.rename(tmp, path, overwrite=False)
-    except (tf.errors.OpError, OSError) as err:
-        _remove_quietly(tmp)
-        raise WriteError(f"could not write {path} ({reason_of(err)}); nothing was "
-                         f"left at that name") from err
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
 
 
 def remove_stale_temporaries(directory: str) -> list[str]:

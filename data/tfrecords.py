@@ -94,17 +94,10 @@ def write_shards(records: Iterable[bytes], total: int, prefix: str,
         if count <= 0:
             break
         path = shard_path(prefix, shard, count)
-        tmp = atomic.temporary_name(path)  # the shard appears whole or not at all
-        try:
+        with atomic.written_whole(path) as tmp:  # the shard whole or not at all
             with tf.io.TFRecordWriter(tmp) as writer:
                 for _ in range(count):
                     writer.write(next(records))
-            tf.io.gfile.rename(tmp, path, overwrite=True)
-        except (tf.errors.OpError, OSError) as err:
-            if tf.io.gfile.exists(tmp):
-                tf.io.gfile.remove(tmp)
-            raise atomic.WriteError(f"could not write {path} ({atomic.reason_of(err)}); "
-                                   f"the shards before it are complete") from err
         paths.append(path)
     return paths
 

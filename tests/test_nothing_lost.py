@@ -53,8 +53,8 @@ def _sha(path) -> str:
 
 
 def _leftovers(directory) -> list[str]:
-    return [os.path.join(root, name) for root, dirs, names in os.walk(directory)
-            for name in dirs + names if files.is_temporary(name) or name == locks.LOCK_FILE]
+    from trainer.tools import kill_resume
+    return kill_resume.leftovers(str(directory))
 
 
 # --- 1. Every file whole or not at all -------------------------------------------------
@@ -152,7 +152,8 @@ def test_tfrecord_shards_and_an_export_appear_whole(tmp_path, monkeypatch):
         open(os.path.join(tmp, "saved_model.pb"), "w").write("half")
         raise tf.errors.ResourceExhaustedError(None, None, "No space left")
     with pytest.raises(files.WriteError):
-        files.write_directory_atomically(str(tmp_path / "export"), fails)
+        with files.written_whole(str(tmp_path / "export")) as tmp:
+            fails(tmp)
     assert sorted(os.listdir(tmp_path)) == ["shard-00-2.tfrec"]
 
 

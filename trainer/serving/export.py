@@ -71,8 +71,8 @@ def export(model_dir: str, export_dir: str) -> str:
     for name, (fn, signature) in serving_functions(trained).items():
         archive.add_endpoint(name, fn, input_signature=signature)
     # Whole or not at all: written beside export_dir, then renamed to it.
-    files.write_directory_atomically(
-        export_dir, lambda tmp: archive.write_out(tmp, verbose=False))
+    with files.written_whole(export_dir) as tmp:
+        archive.write_out(tmp, verbose=False)
     return export_dir
 
 
