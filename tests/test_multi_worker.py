@@ -78,7 +78,7 @@ def test_a_dead_worker_stops_the_others(tmp_path):
     assert proc.returncode != 0
     assert time.time() - killed < 60
     # Either the launcher sees worker 1 die first, or worker 0 notices the lost peer.
-    assert ("worker 1 exited with status -9; stopping the others" in output
+    assert ("error: worker 1 died (killed by signal 9); stopped the others" in output
             or "[worker 0] error: lost another worker" in output), output[-3000:]
     assert not os.path.exists(f"/proc/{pids['0']}") or open(
         f"/proc/{pids['0']}/status").read().find("zombie") >= 0

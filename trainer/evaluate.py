@@ -188,6 +188,9 @@ def main(argv: list[str]) -> None:
     except main_lib.USER_ERRORS as err:
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)
+    except files.WriteError as err:  # as trainer.main: the file named, status 5
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(5)
     print(f"evaluated {len(records)} checkpoint(s); wrote {output_dir}")
     if not records:
         print("error: no checkpoint could be evaluated (see the warnings)", file=sys.stderr)

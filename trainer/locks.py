@@ -11,8 +11,9 @@ behind; it is stale, and taken over without anyone deleting it, when
 - the holder ran on this host and its process is gone, or
 - it has not renewed its lease (every RENEW_SECONDS) for LEASE_SECONDS: a holder
   on another machine that was lost, or a pid reused by another process here.
-Creating the file is exclusive on a local disk (O_EXCL); elsewhere the writer
-writes its token, waits SETTLE_SECONDS and reads it back (the last writer wins).
+Creating the file is exclusive on a local disk (the whole record hard-linked to
+the name, which fails if it exists); elsewhere the writer writes its token, waits
+SETTLE_SECONDS and reads it back (the last writer wins).
 """
 import contextlib
 import json
@@ -50,16 +51,14 @@ def _alive(pid: int) -> bool:
 
 
 def _read(path: str) -> dict | None:
-    """The lock's record; None if there is none. A lock that is not a record (half
-    written by a writer on a filesystem without atomic rename) counts as stale."""
-    try:
-        with tf.io.gfile.GFile(path) as f:
-            record = json.load(f)
-    except tf.errors.NotFoundError:
+    """The lock's record; None if there is none. A lock that is not a record (every
+    writer here writes it whole: a damaged file) counts as stale."""
+    if not tf.io.gfile.exists(path):
         return None
-    except (tf.errors.OpError, ValueError):
-        return {"token": "unreadable"}
-    return record if isinstance(record, dict) else {"token": "unreadable"}
+    try:
+        return files.read_json(path)
+    except files.BadFileError:  # (also: removed between the two calls)
+        return None if not tf.io.gfile.exists(path) else {"token": "unreadable"}
 
 
 def _stale(record: dict) -> bool:
@@ -117,14 +116,17 @@ class Lock:
 def _create(path: str, record: dict) -> bool:
     """Writes the lock if there is none; whether this process now holds it."""
     text = json.dumps(record, indent=2)
-    if "://" not in path:  # a local disk: exclusive creation
+    if "://" not in path:  # a local disk: the whole record, linked in exclusively
+        tmp = files.temporary_name(path)
+        with tf.io.gfile.GFile(tmp, "w") as f:
+            f.write(text)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            os.link(tmp, path)  # fails if the lock exists: never two holders
+            return True
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        return True
+        finally:
+            tf.io.gfile.remove(tmp)
     if tf.io.gfile.exists(path):
         return False
     files.write_atomically(path, text)

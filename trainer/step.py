@@ -183,7 +183,7 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, task: 
     state = model.trainable_variables + optimizers.float_state(optimizer)
     kept_state = [tf.identity(v) for v in state]
     optimizers.apply_or_skip(optimizer, gradients, model.trainable_variables, finite)
-    finite = tf.logical_and(finite, all_finite(state))
+    gradient_finite, finite = finite, tf.logical_and(finite, all_finite(state))
     for variable, kept in zip(state + statistics, kept_state + kept_statistics):
         variable.assign(tf.where(finite, variable, kept))
     if options.lookahead_every:  # airbench: every k steps, back to the slow weights
@@ -192,10 +192,12 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, task: 
 
     applied = tf.cast(finite, tf.float32)
     skipped = 1.0 - applied
-    if optimizers.loss_scaled(optimizer):  # an overflow at a finite loss is the loss
-        loss_total = tf.distribute.get_replica_context().all_reduce(  # scale's business
-            SUM, sums["loss"][0])
-        skipped *= 1.0 - tf.cast(tf.math.is_finite(loss_total), tf.float32)
+    if optimizers.loss_scaled(optimizer):  # a gradient overflow at a finite loss is
+        loss_total = tf.distribute.get_replica_context().all_reduce(  # the loss
+            SUM, sums["loss"][0])                                     # scale's business
+        scale_only = tf.logical_and(tf.logical_not(gradient_finite),
+                                    tf.math.is_finite(loss_total))
+        skipped *= 1.0 - tf.cast(scale_only, tf.float32)
     # A skipped step's examples are not counted in the metrics.
     return {**{key: (tf.where(finite, total, tf.zeros_like(total)),
                      weight * tf.cast(applied, weight.dtype))

@@ -11,7 +11,6 @@ AVX512-BF16, TF 2.21, see BUILD.md "Defaults and the evidence"):
 """
 import dataclasses
 import functools
-import json
 import os
 
 from absl import logging
@@ -178,7 +177,12 @@ def resolve_jit(jit_compile: str, device_kind: str, num_replicas: int = 1) -> bo
 
 def worker_role(strategy: tf.distribute.Strategy) -> tuple[bool, int]:
     """(is_chief, task_id): the chief alone writes summaries, metrics and weights."""
-    resolver = getattr(strategy, "cluster_resolver", None)
+    return _role(getattr(strategy, "cluster_resolver", None))
+
+
+def _role(resolver) -> tuple[bool, int]:
+    """(is_chief, task_id) of a cluster resolver: the "chief" task, or worker 0 in a
+    cluster without one; every process outside a cluster."""
     if resolver is None or not resolver.cluster_spec().as_dict():
         return True, 0
     task_type, task_id = resolver.task_type, resolver.task_id or 0
@@ -193,13 +197,8 @@ def is_chief_process(strategy: str) -> bool:
     if strategy != "multi_worker":
         return True
     try:
-        tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
-        task = tf_config.get("task") or {}
-        has_chief = "chief" in (tf_config.get("cluster") or {})
-        return task.get("type") == "chief" or (
-            task.get("type", "worker") == "worker" and int(task.get("index", 0)) == 0
-            and not has_chief)
-    except (ValueError, AttributeError, TypeError):
+        return _role(tf.distribute.cluster_resolver.TFConfigClusterResolver())[0]
+    except (ValueError, AttributeError, TypeError, KeyError):
         return True  # strategy.create names a bad TF_CONFIG
 
 

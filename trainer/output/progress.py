@@ -1,5 +1,5 @@
-"""Progress lines, images/sec, ETA, and small file helpers (atomic JSON, weight
-checksum)."""
+"""Progress lines, images/sec, ETA, the set-up log lines and the weights'
+checksum."""
 import hashlib
 import time
 
