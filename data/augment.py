@@ -124,6 +124,10 @@ TRAIN_AUGMENTATIONS: dict[str, Callable[..., Batch]] = {
     "flip_saturation": flip_saturation,
     "crop_flip_saturation": crop_flip_saturation,
     "none": identity,
+    # ImageNet's (Inception's) crop, done on cached images; a streaming run does the
+    # crop while decoding instead (DECODE_TIME_CROPS) and only flips the batch.
+    "inception_crop": lambda images, labels, seed: inception_crop(images, labels, seed),
+    "flip": lambda images, labels, seed: flip(images, labels, seed),
 }
 NO_FLIP = ("translate", "none")  # what --alternating_flip may be combined with
 
@@ -148,6 +152,115 @@ def make_resize(size: int) -> Callable[..., Batch]:
         image = tf.image.resize(image, (size, size), antialias=True)
         return tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8), label
     return resize
+
+
+# --- ImageNet's preprocessing, per example, fused into the decode -------------------
+# (Szegedy et al. 2015's crop as Model Garden's and big_vision's input pipelines do
+# it: tf.image.decode_and_crop_jpeg decodes only the crop's pixels of a JPEG.)
+
+CROP_AREA = (0.08, 1.0)          # of the image's area
+CROP_ASPECT = (3 / 4, 4 / 3)     # width / height
+CROP_ATTEMPTS = 10
+CENTRAL_FRACTION = 224 / 256     # evaluation: resize-then-central-crop's ratio
+
+
+def flip(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor) -> Batch:
+    """A random left-right flip per image."""
+    flips = tf.random.stateless_uniform([tf.shape(images)[0], 1, 1, 1], seed) < 0.5
+    return tf.where(flips, tf.reverse(images, axis=[2]), images), labels
+
+
+def inception_crop(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor) -> Batch:
+    """On a batch of (cached, already resized) images: a random box of 8%-100% of the
+    area, aspect 3/4-4/3, resized back, and a random flip."""
+    crop_seed, flip_seed = _seeds(seed, 2)
+    images, labels = random_resized_crop(images, labels, crop_seed,
+                                         min_area=CROP_AREA[0], max_aspect=CROP_ASPECT[1])
+    return flip(images, labels, flip_seed)
+
+
+def encoded_shape(image_bytes: tf.Tensor, channels: int = 3) -> tf.Tensor:
+    """[height, width] of an encoded image; a JPEG's from its header, without decoding."""
+    return tf.cond(tf.io.is_jpeg(image_bytes),
+                   lambda: tf.image.extract_jpeg_shape(image_bytes)[:2],
+                   lambda: tf.shape(decode_image(image_bytes, channels))[:2])
+
+
+def decode_image(image_bytes: tf.Tensor, channels: int = 3) -> tf.Tensor:
+    """JPEG, PNG, GIF or BMP bytes -> uint8 [H, W, channels]."""
+    image = tf.io.decode_image(image_bytes, channels=channels, expand_animations=False)
+    image.set_shape([None, None, channels])
+    return image
+
+
+def decode_crop(image_bytes: tf.Tensor, box: tf.Tensor, channels: int = 3) -> tf.Tensor:
+    """The [top, left, height, width] box of an encoded image, uint8; a JPEG decodes
+    only that window."""
+    def other():
+        return tf.image.crop_to_bounding_box(decode_image(image_bytes, channels), *tf.unstack(box))
+    image = tf.cond(tf.io.is_jpeg(image_bytes),
+                    lambda: tf.image.decode_and_crop_jpeg(image_bytes, box,
+                                                          channels=channels),
+                    other)
+    image.set_shape([None, None, channels])
+    return image
+
+
+def central_box(shape: tf.Tensor, fraction: float = CENTRAL_FRACTION) -> tf.Tensor:
+    """[top, left, side, side]: the centred square of `fraction` x the shorter side
+    (resize-then-central-crop: a 224 crop of the image resized to 256)."""
+    side = tf.cast(fraction * tf.cast(tf.reduce_min(shape), tf.float32), tf.int32)
+    side = tf.maximum(side, 1)
+    return tf.stack([(shape[0] - side + 1) // 2, (shape[1] - side + 1) // 2, side, side])
+
+
+def inception_box(shape: tf.Tensor, seed: tf.Tensor, area=CROP_AREA, aspect=CROP_ASPECT,
+                  attempts: int = CROP_ATTEMPTS) -> tf.Tensor:
+    """[top, left, height, width] of a random box of `area` of the image and
+    width/height in `aspect` (TF's sampler, `attempts` tries); when no try fits,
+    the central crop, as Inception's and Model Garden's pipelines fall back."""
+    begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+        tf.concat([shape, [3]], 0), tf.constant([[[0.0, 0.0, 1.0, 1.0]]]), seed,
+        min_object_covered=area[0], aspect_ratio_range=aspect, area_range=area,
+        max_attempts=attempts, use_image_if_no_bounding_boxes=True)
+    box = tf.stack([begin[0], begin[1], size[0], size[1]])
+    failed = tf.reduce_all(tf.equal(size[:2], shape))  # the sampler's "whole image"
+    return tf.cond(failed, lambda: central_box(shape), lambda: box)
+
+
+def _resized(image: tf.Tensor, size: int) -> tf.Tensor:
+    image = tf.image.resize(image, (size, size), method="bilinear")
+    return tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8)
+
+
+def decode_inception_crop(image_bytes: tf.Tensor, seed: tf.Tensor, size: int,
+                          channels: int = 3) -> tf.Tensor:
+    """Training: a random Inception box decoded (only its pixels, for a JPEG) and
+    resized to size x size uint8. A pure function of (bytes, seed)."""
+    box = inception_box(encoded_shape(image_bytes, channels), seed)
+    return _resized(decode_crop(image_bytes, box, channels), size)
+
+
+def decode_central_crop(image_bytes: tf.Tensor, size: int, channels: int = 3) -> tf.Tensor:
+    """Evaluation: the central 224/256 square, resized to size x size uint8."""
+    box = central_box(encoded_shape(image_bytes, channels))
+    return _resized(decode_crop(image_bytes, box, channels), size)
+
+
+def make_central_crop(size: int) -> Callable[..., Batch]:
+    """Per decoded example (evaluation of ImageNet-style data): the central
+    224/256 square resized to size x size, as decode_central_crop does."""
+    def crop(image: tf.Tensor, label: tf.Tensor) -> Batch:
+        box = central_box(tf.shape(image)[:2])
+        return _resized(tf.image.crop_to_bounding_box(image, *tf.unstack(box)), size), label
+    return crop
+
+
+# The crop a streaming run does while decoding, for the augmentations that have one:
+# name -> (decode(image_bytes, seed, size, channels), what is left for the batch).
+DECODE_TIME_CROPS: dict[str, tuple[Callable, str]] = {
+    "inception_crop": (decode_inception_crop, "flip"),
+}
 
 
 # Soft-target mixes: after normalization, on float images; they return one-hot

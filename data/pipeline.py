@@ -93,6 +93,15 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
         # MultiWorkerMirroredStrategy: ~Iterator waiting on a tf.data thread).
         ds = ds.take((end_step - start_step) * per_step)
 
+    return augment_and_prefetch(ds, pipeline_seed, augment, normalize, mix,
+                                 alternating_flip)
+
+
+def augment_and_prefetch(ds: tf.data.Dataset, pipeline_seed: int, augment: Callable,
+                          normalize: Callable, mix: Callable | None,
+                          alternating_flip: bool) -> tf.data.Dataset:
+    """(position, images, labels, indices) batches -> the step's dicts, augmented by
+    a seed made of (pipeline seed, epoch, batch): a pure function of the position."""
     def augment_normalize_mix(position, images, labels, indices):
         key = tf.cast(tf.stack([pipeline_seed, position[0] * 1_000_003 + position[1]]),
                       tf.int64)

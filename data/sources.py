@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+from typing import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -83,6 +84,8 @@ _SPECS = {
 
 
 def names() -> tuple[str, ...]:
+    """The datasets with settings of their own; any other TFDS image-classification
+    dataset works by name too (tfds_spec)."""
     return tuple(sorted(_SPECS))
 
 
@@ -91,17 +94,98 @@ TFRECORD_METADATA = "dataset.json"  # written beside the shards by data.make_tfr
 TFRECORD_SYNTAX = "tfrecord:TRAIN_PATTERN[;eval=EVAL_PATTERN][;classes=N]"
 _TFRECORD_OPTIONS = ("eval", "classes")
 DEFAULT_HOLDOUT = _SPECS["tf_flowers"].holdout_fraction  # files without a dataset.json
+VARIABLE_SIZE = 224  # the training size of datasets whose images vary in size
+# Per-channel statistics of ImageNet (of [0, 1] images): the usual choice for photos.
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-def get_spec(name: str) -> DatasetSpec:
-    """A dataset from the table, or a TFRecord dataset (TFRECORD_SYNTAX, described in
-    the module docstring)."""
+def get_spec(name: str, data_dir: str | None = None, train_split: str = "",
+             eval_split: str = "") -> DatasetSpec:
+    """A dataset from the table, a TFRecord dataset (TFRECORD_SYNTAX, described in
+    the module docstring), or any TFDS image-classification dataset, NAME[:VERSION]
+    (tfds_spec). train_split / eval_split: TFDS split names (or slices, e.g.
+    'train[:90%]') instead of the dataset's own."""
     if name.startswith(TFRECORD_PREFIX):
+        if train_split or eval_split:
+            raise DatasetError("--train_split/--eval_split choose TFDS splits; a TFRecord "
+                               "dataset's validation files are ;eval=EVAL_PATTERN")
         return _tfrecord_spec(name)
-    if name not in _SPECS:
-        raise ValueError(f"unknown dataset {name!r}; valid: {', '.join(names())} or "
-                         f"{TFRECORD_PREFIX}PATTERN")
-    return _SPECS[name]
+    spec = _SPECS.get(name) or _SPECS.get(name.partition(":")[0])
+    if spec is None:
+        return tfds_spec(name, data_dir, train_split, eval_split)
+    spec = dataclasses.replace(spec, name=name)
+    if spec.synthetic_sizes != (0, 0):
+        if train_split or eval_split:
+            raise DatasetError("the synthetic dataset has no splits to choose")
+        return spec
+    if train_split or eval_split:
+        tfds_spec(name, data_dir, train_split, eval_split)  # checks the split names
+    if eval_split:  # a split of its own: nothing is held out of the training split
+        spec = dataclasses.replace(spec, eval_split=eval_split, holdout_fraction=0.0)
+    return dataclasses.replace(spec, train_split=train_split or spec.train_split)
+
+
+def _tfds_dir(data_dir: str | None) -> str | None:
+    return data_dir or os.environ.get("TFDS_DATA_DIR") or None
+
+
+def _where(data_dir: str | None) -> str:
+    return data_dir or "the default TFDS data dir (~/tensorflow_datasets)"
+
+
+def tfds_spec(name: str, data_dir: str | None = None, train_split: str = "",
+              eval_split: str = "") -> DatasetSpec:
+    """Any TFDS image-classification dataset, from its own DatasetInfo: its classes
+    (the supervised label's ClassLabel), image shape and splits. Evaluation uses
+    `eval_split`, else 'validation', else 'test', else holds 15% of the training
+    split out (by a fixed hash of the index, as flowers). Images that vary in size
+    train at VARIABLE_SIZE with ImageNet's crop; fixed small ones with pad-crop-flip.
+    The data need not be prepared yet (tfds.testing.mock_data has none): a missing
+    dataset is a one-line error when it is read (load_tfds)."""
+    import tensorflow_datasets as tfds  # heavy import, only when TFDS is used
+    data_dir = _tfds_dir(data_dir)
+    try:
+        builder = tfds.builder(name, data_dir=data_dir)
+    except (tfds.core.registered.DatasetNotFoundError, ValueError) as err:
+        raise DatasetError(f"unknown dataset {name!r}: not one of {', '.join(names())}, "
+                           f"not {TFRECORD_PREFIX}PATTERN and not a TFDS dataset name "
+                           f"(NAME or NAME:VERSION, see tfds.list_builders())") from err
+    info = builder.info
+    image_key, label_key = info.supervised_keys or ("image", "label")
+    features = info.features
+    image = features[image_key] if image_key in features.keys() else None
+    label = features[label_key] if label_key in features.keys() else None
+    if not isinstance(image, tfds.features.Image) or not isinstance(
+            label, tfds.features.ClassLabel):
+        raise DatasetError(f"TFDS dataset {name!r} is not image classification (its "
+                           f"supervised keys are {info.supervised_keys}; an Image and a "
+                           f"ClassLabel are needed)")
+    height, width, channels = image.shape
+    splits = set(info.splits.keys())  # empty when not prepared (or mocked)
+    train_split = train_split or "train"
+    holdout = 0.0
+    if not eval_split:
+        if "validation" in splits or not splits:
+            eval_split = "validation"
+        elif "test" in splits:
+            eval_split = "test"
+        else:  # only a training split (as tf_flowers): hold a fixed part out
+            eval_split, holdout = "validation", DEFAULT_HOLDOUT
+    for split in (train_split, eval_split if not holdout else train_split):
+        base = split.split("[")[0]
+        if splits and base not in splits:
+            raise DatasetError(f"TFDS dataset {name!r} has no split {base!r}; it has "
+                               f"{', '.join(sorted(splits))} (--train_split/--eval_split)")
+    variable = height is None or width is None
+    size = VARIABLE_SIZE if variable else max(height, width)
+    small = not variable and size <= 64
+    return DatasetSpec(
+        name, label.num_classes, (size, size, channels or 3), train_split, eval_split,
+        mean=(0.5,) * 3 if small else IMAGENET_MEAN,
+        std=(0.25,) * 3 if small else IMAGENET_STD,
+        augment="pad_crop_flip" if small else "inception_crop",
+        class_names=tuple(label.names), holdout_fraction=holdout,
+        variable_size=variable or height != width)
 
 
 def parse_tfrecord_name(name: str) -> tuple[str, dict[str, str]]:
@@ -301,6 +385,80 @@ def _load_tfrecords(spec: DatasetSpec, validation: bool, pipelines: int,
     return ds.map(lambda image, label, index: (image, label)), count
 
 
+@dataclasses.dataclass(frozen=True)
+class RecordFiles:
+    """A split as files of serialized records, for the streaming pipeline: it reads
+    the records itself (in an order of its own) and decodes them on the fly.
+    Record j of file f (after skipping skips[f]) is example offsets[f] + j of the
+    split's fixed order, the index a held-out split hashes."""
+    paths: tuple[str, ...]
+    skips: tuple[int, ...]        # records to pass at each file's start (split slices)
+    counts: tuple[int, ...]       # records to read from each file
+    offsets: tuple[int, ...]      # the index of each file's first record read
+    parse: Callable               # serialized record -> (encoded image, int32 label)
+    holdout_fraction: float = 0.0  # > 0: examples are kept by in_holdout(index)
+    validation: bool = False       # keep the held-out part (else the rest)
+    channels: int = 3
+
+    def keeps(self, indices: np.ndarray) -> np.ndarray:
+        """Which of these indices the split keeps."""
+        if not self.holdout_fraction:
+            return np.ones(indices.shape, bool)
+        held = in_holdout(indices, self.holdout_fraction)
+        return held if self.validation else ~held
+
+
+def record_files(spec: DatasetSpec, split: str, data_dir: str | None = None
+                 ) -> RecordFiles | None:
+    """The split's record files (prepared TFDS data, or TFRecords), or None when it
+    has none to stream (generated data; TFDS data mocked or not on disk)."""
+    validation = split != spec.train_split
+    channels = spec.image_shape[2]
+    if spec.synthetic_sizes != (0, 0):
+        return None
+    if spec.tfrecord_pattern:
+        if spec.eval_pattern:
+            paths = tfrecords.files(spec.eval_pattern if validation else spec.tfrecord_pattern)
+            fraction = 0.0
+        elif spec.holdout_files:
+            train, held = split_files(tfrecords.files(spec.tfrecord_pattern),
+                                      spec.holdout_fraction, spec.tfrecord_pattern)
+            paths, fraction = held if validation else train, 0.0
+        else:  # ours: written in order, record j of the sorted files is index j
+            paths, fraction = tfrecords.files(spec.tfrecord_pattern), spec.holdout_fraction
+        counts = [tfrecords.record_count(path) for path in paths]
+        return RecordFiles(tuple(paths), (0,) * len(paths), tuple(counts),
+                           tuple(int(o) for o in np.cumsum([0] + counts[:-1])),
+                           tfrecords.parse_encoded, fraction, validation, channels)
+    return _tfds_record_files(spec, spec.train_split if spec.holdout_fraction else split,
+                              data_dir, validation, channels)
+
+
+def _tfds_record_files(spec: DatasetSpec, split: str, data_dir: str | None,
+                       validation: bool, channels: int) -> RecordFiles | None:
+    import tensorflow_datasets as tfds
+    try:
+        builder = tfds.builder(spec.name, data_dir=_tfds_dir(data_dir))
+        instructions = builder.info.splits[split].file_instructions
+    except (KeyError, ValueError, AssertionError):  # not prepared, or mocked
+        return None
+    if not instructions or not all(tf.io.gfile.exists(i.filename) for i in instructions):
+        return None
+    image_key, label_key = builder.info.supervised_keys or ("image", "label")
+    features = builder.info.features
+    decoders = {image_key: tfds.decode.SkipDecoding()}
+
+    def parse(record):  # the image stays encoded: the pipeline decodes it
+        example = features.deserialize_example(record, decoders=decoders)
+        return example[image_key], tf.cast(example[label_key], tf.int32)
+
+    counts = [int(i.take) for i in instructions]
+    return RecordFiles(tuple(i.filename for i in instructions),
+                       tuple(int(i.skip) for i in instructions), tuple(counts),
+                       tuple(int(o) for o in np.cumsum([0] + counts[:-1])), parse,
+                       spec.holdout_fraction, validation, channels)
+
+
 def describe_split(spec: DatasetSpec, validation: bool) -> str:
     """Where a split's examples come from, for messages: files or a TFDS split."""
     if spec.tfrecord_pattern:
@@ -380,16 +538,12 @@ def load_tfds(name: str, split: str, data_dir: str | None = None,
               download: bool = False) -> tuple[tf.data.Dataset, int]:
     """tfds.load honouring data_dir, then TFDS_DATA_DIR; a clear error if absent."""
     import tensorflow_datasets as tfds  # heavy import, only when TFDS is used
-    data_dir = data_dir or os.environ.get("TFDS_DATA_DIR") or None
+    data_dir = _tfds_dir(data_dir)
     try:
         ds, info = tfds.load(name, split=split, data_dir=data_dir, download=download,
                              as_supervised=True, shuffle_files=False, with_info=True)
     except (AssertionError, tfds.core.registered.DatasetNotFoundError) as err:
-        where = data_dir or "the default TFDS data dir (~/tensorflow_datasets)"
-        raise DatasetError(
-            f"dataset {name!r} split {split!r} not found in {where} and not downloaded: "
-            f"pass --data_dir=DIR or set TFDS_DATA_DIR to a prepared TFDS data dir "
-            f"(or add --download_data where the network allows)") from err
+        raise DatasetError(not_prepared(name, split, data_dir)) from err
     try:
         num_examples = info.splits[split].num_examples
     except KeyError:  # no split metadata (e.g. tfds.testing.mock_data): count
@@ -398,6 +552,24 @@ def load_tfds(name: str, split: str, data_dir: str | None = None,
             num_examples = int(ds.reduce(0, lambda count, *_: count + 1))
     ds = ds.map(lambda image, label: (image, tf.cast(label, tf.int32)))
     return ds, int(num_examples)
+
+
+def not_prepared(name: str, split: str, data_dir: str | None) -> str:
+    """The one line for a TFDS dataset that is not in the data dir: where we looked
+    and how to prepare it."""
+    import tensorflow_datasets as tfds
+    try:
+        builder = tfds.builder(name, data_dir=data_dir)
+        where, manual = builder.data_dir, bool(getattr(builder,
+                                                       "MANUAL_DOWNLOAD_INSTRUCTIONS", None))
+    except Exception:  # noqa: BLE001 (any failure: the message below still holds)
+        where, manual = os.path.join(_where(data_dir), name), False
+    how = (f"put its archives in {os.path.join(_where(data_dir), 'downloads', 'manual')} "
+           f"and run tfds build {name} --data_dir={_where(data_dir)}" if manual else
+           f"run tfds build {name} --data_dir={_where(data_dir)} where there is network, "
+           f"or add --download_data")
+    return (f"dataset {name!r} split {split!r} is not prepared in {where}: {how} (or pass "
+            f"--data_dir=DIR / set TFDS_DATA_DIR to a prepared TFDS data dir)")
 
 
 def synthetic(spec: DatasetSpec, size: int, seed: int) -> tf.data.Dataset:

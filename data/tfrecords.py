@@ -78,7 +78,10 @@ def serialize(image_bytes: bytes, class_id: int, class_name: str, index: int,
         "one_hot_class": tf.train.Feature(float_list=tf.train.FloatList(value=one_hot)),
         "index": _ints(index),
     }
-    return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+    example = tf.train.Example(features=tf.train.Features(feature=feature))
+    # Map entries sorted: the same bytes from every process (their order otherwise
+    # follows the string hash, which Python seeds afresh per process).
+    return example.SerializeToString(deterministic=True)
 
 
 def write_shards(records: Iterable[bytes], total: int, prefix: str,
@@ -115,9 +118,22 @@ def parse(record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
             example["index"])
 
 
+def _natural(path: str) -> list:
+    """Sort key reading digit runs as numbers: shard 100 after shard 99, so the sorted
+    files of our writer are in the order it wrote them (the records' index order)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+def parse_encoded(record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """(encoded image bytes, int32 class) of a record, nothing decoded."""
+    example = tf.io.parse_single_example(record, {"image": FEATURES["image"],
+                                                  "class": FEATURES["class"]})
+    return example["image"], tf.cast(example["class"], tf.int32)
+
+
 def files(pattern: str) -> list[str]:
     try:
-        paths = sorted(tf.io.gfile.glob(pattern))
+        paths = sorted(tf.io.gfile.glob(pattern), key=_natural)
     except tf.errors.OpError as err:  # e.g. a bucket that is not there or not readable
         raise DatasetError(f"cannot list {pattern!r}: {err.message.splitlines()[0][:160]}"
                            ) from err

@@ -50,6 +50,12 @@ class Plan:
                    pipeline.eval_steps(eval_examples, config.batch_size), per_replica)
 
 
+def dataset_spec(config: Config) -> sources.DatasetSpec:
+    """The run's dataset, with its split choices (every command reads it here)."""
+    return sources.get_spec(config.dataset, config.data_dir, config.train_split,
+                            config.eval_split)
+
+
 def counts(config: Config, spec: sources.DatasetSpec) -> tuple[int, int]:
     """(training examples, evaluation examples)."""
     return tuple(sources.load(spec, split, config.data_dir, config.download_data)[1]

@@ -179,7 +179,7 @@ def run_check(config: config_lib.Config, num_steps: int = 3,
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("float32")
     keras.utils.set_random_seed(config.seed)
-    spec = sources.get_spec(config.dataset)
+    spec = build.dataset_spec(config)
     plan = build.plan(config, spec, num_replicas=2)
     data = _global_batches(config, spec, num_steps)
     task = build.make_task(config, spec)

@@ -23,6 +23,7 @@ STRATEGIES = ("auto", "tpu", "mirrored", "multi_worker", "one_device")
 PRECISIONS = ("auto", "float32", "mixed_bfloat16", "mixed_float16")
 JIT_CHOICES = ("auto", "true", "false")
 ON_NAN = ("stop", "skip_step")
+CACHE_CHOICES = ("auto", "memory", "none")
 
 
 def _choices(names) -> str:
@@ -42,10 +43,22 @@ class Config:
     model_options: str = _("", "The model builder's own options, 'name=value,...' (e.g. "
                            "'widths=32:64:128,whiten=false' for airbench; tuples as "
                            "a:b:c).")
-    dataset: str = _("cifar10", f"Dataset: {_choices(sources.names())}, or "
+    dataset: str = _("cifar10", f"Dataset: {_choices(sources.names())}, any TFDS "
+                     "image-classification dataset as NAME[:VERSION] (e.g. cifar100, "
+                     "imagenet2012, food101: classes, sizes and splits from its info), or "
                      "'tfrecord:PATTERN[;eval=EVAL_PATTERN][;classes=N]' (TFRecords in "
                      "the flowers codelab's format, local or gs://; without eval= a "
                      "fixed part is held out).")
+    train_split: str = _("", "TFDS split to train on (default: train; slices work, e.g. "
+                         "'train[:90%]').")
+    eval_split: str = _("", "TFDS split to evaluate on (default: validation, else test, "
+                        "else a fixed 15% held out of the training split).")
+    cache: str = _("auto", "auto|memory|none: memory decodes the training data into an "
+                   "in-memory cache before the first step; none streams it from its "
+                   "files, decoding on the fly (any size, bounded memory, exact "
+                   "resume); auto streams when the decoded data would pass a quarter of "
+                   "this machine's memory or the augmentation crops while decoding "
+                   "(ImageNet's), else caches.")
     image_size: int = _(0, "Train and evaluate at this square size (0: the dataset's own).")
     weights: str = _("none", "Initial weights: none | imagenet (xception, downloads) | "
                      "PATH (a .weights.h5 of the same model, or for xception Keras' "
@@ -256,8 +269,9 @@ def validate(config: Config, model_names, dataset_names) -> Config:
     divides by the replicas is checked once the strategy exists: build.Plan.)"""
     _check_choice("model", config.model, model_names)
     _check_choice("model_size", config.model_size, ("full", "tiny"))
-    if not config.dataset.startswith("tfrecord:"):
-        _check_choice("dataset", config.dataset, dataset_names)
+    if not config.dataset:
+        raise ConfigError("--dataset is empty; name a dataset (e.g. cifar10)")
+    _check_choice("cache", config.cache, CACHE_CHOICES)
     _check_choice("task", config.task, tasks.names())
     _check_choice("optimizer", config.optimizer, optimizers.names())
     _check_choice("lr_schedule", config.lr_schedule, schedules.KINDS)

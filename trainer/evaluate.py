@@ -25,7 +25,7 @@ cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 from absl import app, flags, logging  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from data import files, sources  # noqa: E402
+from data import files  # noqa: E402
 from trainer import averaging, build, checkpoints, distributed, evaluation  # noqa: E402
 from trainer import config as config_lib, inputs, locks, main as main_lib  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
@@ -63,7 +63,7 @@ class Evaluator:
         self.strategy = strategy = runtime.strategy
         precision = strategy_lib.resolve_precision(config.precision, runtime.device_kind,
                                                    config.deterministic)
-        self.spec = spec = sources.get_spec(config.dataset)
+        self.spec = spec = build.dataset_spec(config)
         self.plan = build.plan(config, spec, 1)
         # The weights come from the checkpoints; a teacher is not needed to evaluate.
         self.run = run = build.build_run(config, spec, self.plan, strategy, precision,

@@ -2,11 +2,12 @@
 step) and the exact evaluation pipeline, built from the config and the dataset's
 spec; and read errors turned into messages that name the bad file."""
 import contextlib
+import os
 
 import numpy as np
 import tensorflow as tf
 
-from data import augment, pipeline, sources
+from data import augment, pipeline, sources, stream
 from trainer import strategy as strategy_lib
 from trainer.config import Config
 
@@ -23,29 +24,92 @@ def _prepare(config: Config, spec: sources.DatasetSpec):
             if spec.variable_size or shape != spec.image_shape else None)
 
 
+MEMORY_MODE, STREAM_MODE = "memory", "stream"
+CACHE_BUDGET = 0.25  # of this machine's memory: the most --cache=auto decodes into it
+
+
+def memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def choose_mode(config: Config, spec: sources.DatasetSpec, train_examples: int,
+                num_workers: int = 1) -> tuple[str, sources.RecordFiles | None, str]:
+    """(MEMORY_MODE or STREAM_MODE, the training split's record files, why) for
+    --cache: memory decodes the data into an in-memory cache before the first step
+    (fastest per epoch on small data); none streams from the files. auto streams
+    when this worker's decoded share would pass CACHE_BUDGET of the memory, or
+    when the augmentation crops while decoding (ImageNet's), and caches otherwise."""
+    files = sources.record_files(spec, spec.train_split, config.data_dir)
+    if config.cache == "none" and files is None:
+        raise sources.DatasetError(
+            f"--cache=none streams from record files, and {spec.name} has none here "
+            f"(generated data, or TFDS data not on disk); use --cache=memory")
+    decoded = stream.decoded_bytes(train_examples // max(num_workers, 1),
+                                   image_shape(config, spec))
+    budget = int(CACHE_BUDGET * memory_bytes())
+    sizes = f"decoded {decoded / 2**30:.2f} GiB, budget {budget / 2**30:.1f} GiB"
+    if config.cache == "memory" or files is None:
+        return MEMORY_MODE, files, f"--cache={config.cache}: in memory ({sizes})"
+    if config.cache == "none":
+        return STREAM_MODE, files, f"--cache=none: streaming ({sizes})"
+    crop = (config.augment or spec.augment) in augment.DECODE_TIME_CROPS
+    if crop or decoded > budget:
+        why = "the crop is done while decoding" if crop else "over the budget"
+        return STREAM_MODE, files, f"--cache=auto: streaming, {why} ({sizes})"
+    return MEMORY_MODE, files, f"--cache=auto: in memory ({sizes})"
+
+
+def _stream_decode(config: Config, spec: sources.DatasetSpec, augment_name: str):
+    """decode(image bytes, seed) for the stream: the decode-time crop, or a plain
+    decode and the resize the cache would have applied."""
+    shape = image_shape(config, spec)
+    if augment_name in augment.DECODE_TIME_CROPS:
+        crop = augment.DECODE_TIME_CROPS[augment_name][0]
+        return lambda image_bytes, seed: crop(image_bytes, seed, shape[0], shape[2])
+    prepare = _prepare(config, spec)
+
+    def decode(image_bytes, seed):
+        image = augment.decode_image(image_bytes, shape[2])
+        if prepare is not None:
+            image, _ = prepare(image, 0)
+        image.set_shape(shape)
+        return image
+    return decode
+
+
 def train_input_fn(config: Config, spec: sources.DatasetSpec, train_examples: int,
                    start_step: int = 0, end_step: int | None = None,
-                   counts: list | None = None):
+                   counts: list | None = None, mode: str = MEMORY_MODE,
+                   files: sources.RecordFiles | None = None):
     """The training input for `distribute_datasets_from_function`: each input
-    worker's pipeline, resuming at `start_step` (the data position is the step) and
-    ending at `end_step` (None: endless). counts: gets the examples each of this
-    process's pipelines read (for `check_train_count`)."""
-    train_augment = augment.TRAIN_AUGMENTATIONS[config.augment or spec.augment]
+    worker's pipeline (in memory, or streamed from `files`: choose_mode), resuming at
+    `start_step` (the data position is the step) and ending at `end_step` (None:
+    endless). counts: gets the examples each of this process's pipelines read (for
+    `check_train_count`)."""
+    augment_name = config.augment or spec.augment
+    normalize = augment.make_normalize(spec.mean, spec.std)
+    mix = augment.make_mix(spec.num_classes, config.mixup_alpha, config.cutmix_alpha)
+
+    def stream_fn(context):
+        batch_part = augment.DECODE_TIME_CROPS.get(augment_name, (None, augment_name))[1]
+        return stream.make_train_stream(
+            files, context, config.batch_size, _stream_decode(config, spec, augment_name),
+            augment.TRAIN_AUGMENTATIONS[batch_part], normalize, config.shuffle_buffer,
+            seed=config.seed, start_step=start_step, end_step=end_step, mix=mix,
+            alternating_flip=config.alternating_flip, counts=counts)
 
     def train_fn(context):
         ds, _ = sources.load(spec, spec.train_split, config.data_dir, config.download_data,
                              context=context)  # this worker's shard
-        return pipeline.make_train(ds, context, config.batch_size, train_augment,
-                                   augment.make_normalize(spec.mean, spec.std),
+        return pipeline.make_train(ds, context, config.batch_size,
+                                   augment.TRAIN_AUGMENTATIONS[augment_name], normalize,
                                    config.shuffle_buffer, seed=config.seed,
                                    prepare=_prepare(config, spec),
                                    num_examples=train_examples, shard=False,
-                                   start_step=start_step, end_step=end_step,
-                                   mix=augment.make_mix(spec.num_classes, config.mixup_alpha,
-                                                        config.cutmix_alpha),
+                                   start_step=start_step, end_step=end_step, mix=mix,
                                    alternating_flip=config.alternating_flip,
                                    counts=counts)
-    return train_fn
+    return stream_fn if mode == STREAM_MODE else train_fn
 
 
 def check_train_count(strategy: tf.distribute.Strategy, spec: sources.DatasetSpec,
@@ -83,13 +147,22 @@ def init_images(config: Config, spec: sources.DatasetSpec, count: int = 5000
     return images.numpy()
 
 
-def eval_input_fn(config: Config, spec: sources.DatasetSpec):
-    """The evaluation input: every example once, padded to full batches (mask 0)."""
+def _eval_prepare(config: Config, spec: sources.DatasetSpec):
+    """ImageNet-style data is evaluated on the central 224/256 crop; the rest is
+    resized as for training."""
+    if (config.augment or spec.augment) in augment.DECODE_TIME_CROPS:
+        return augment.make_central_crop(image_shape(config, spec)[0])
+    return _prepare(config, spec)
+
+
+def eval_input_fn(config: Config, spec: sources.DatasetSpec, cache: bool = True):
+    """The evaluation input: every example once, padded to full batches (mask 0);
+    cache=False reads (and decodes) it again at every evaluation."""
     def eval_fn(context):
         ds, n = sources.load(spec, spec.eval_split, config.data_dir, config.download_data)
         return pipeline.make_eval(ds, n, context, config.batch_size,
                                   augment.make_normalize(spec.mean, spec.std),
-                                  prepare=_prepare(config, spec))
+                                  cache=cache, prepare=_eval_prepare(config, spec))
     return eval_fn
 
 
@@ -98,6 +171,13 @@ def data_errors_explained(spec: sources.DatasetSpec):
     """A corrupt input file surfaces deep in the graph without its name: find it."""
     try:
         yield
+    except tf.errors.FailedPreconditionError as err:  # stream.assert_cardinality
+        if "expected to contain" not in str(err):
+            raise
+        raise sources.DatasetError(
+            f"{sources.describe_split(spec, False)}: "
+            f"{str(err).splitlines()[0].split(' [Op:')[0][:160]} (a file is missing "
+            f"or cut short; restore the data)") from err
     except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as err:
         culprit = sources.explain_read_error(spec)
         if culprit:

@@ -12,7 +12,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from data import files, sources
+from data import files
 from trainer import averaging, build, checkpoints, distributed, evaluation, faults
 from trainer import flops, inputs, schedules
 from trainer import strategy as strategy_lib
@@ -26,7 +26,7 @@ from trainer.serving import inference
 def plot_schedule(config: Config) -> str:
     """Writes the run's learning-rate schedule to model_dir/lr_schedule.png (the
     data is only counted, nothing is trained); returns the path."""
-    plan = build.plan(config, sources.get_spec(config.dataset), config.cpu_replicas)
+    plan = build.plan(config, build.dataset_spec(config), config.cpu_replicas)
     schedule = build.make_schedule(config, plan)
     tf.io.gfile.makedirs(config.model_dir)
     path = os.path.join(config.model_dir, "lr_schedule.png")
@@ -85,7 +85,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
 
     # --- How much data, how many steps ----------------------------------------------
     checkpoints.check_previous_run(config.model_dir, config.as_dict())  # (reads only)
-    spec = sources.get_spec(config.dataset)
+    spec = build.dataset_spec(config)
     plan = build.plan(config, spec, runtime.num_replicas)
     profile = (config_lib.profile_range(config.profile_steps) if config.profile_steps
                else ())
@@ -123,14 +123,18 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                                        config.keep_checkpoints, is_chief, task_id)
 
     # --- Input pipelines: the stream resumes at the step ----------------------------
+    # In memory (decoded once, before the first step) or streamed from the files.
+    mode, record_files, why = inputs.choose_mode(config, spec, plan.train_examples,
+                                                 strategy_lib.num_workers(strategy))
+    logging.info("Input: %s", why)
     with inputs.data_errors_explained(spec):  # the training cache is filled here
         train_counts: list[int] = []  # what each pipeline read: all that was promised?
         train_dataset = strategy.distribute_datasets_from_function(
             inputs.train_input_fn(config, spec, plan.train_examples, start_step,
-                                  plan.total_steps, train_counts))
+                                  plan.total_steps, train_counts, mode, record_files))
         inputs.check_train_count(strategy, spec, train_counts, plan.train_examples)
         eval_dataset = strategy.distribute_datasets_from_function(
-            inputs.eval_input_fn(config, spec))
+            inputs.eval_input_fn(config, spec, cache=mode == inputs.MEMORY_MODE))
         samples = (evaluation.load_samples(spec, inputs.image_shape(config, spec)[0],
                                            config.data_dir, config.download_data)
                    if is_chief else None)  # only the chief draws pictures

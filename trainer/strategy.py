@@ -204,3 +204,10 @@ def is_chief_process(strategy: str) -> bool:
 
 def is_multi_worker(strategy: tf.distribute.Strategy) -> bool:
     return strategy.extended._in_multi_worker_mode()  # noqa: SLF001 (no public API)
+
+
+def num_workers(strategy: tf.distribute.Strategy) -> int:
+    """Processes that each feed their own input pipelines (1 unless multi-worker)."""
+    if not is_multi_worker(strategy):
+        return 1
+    return max(1, strategy.num_replicas_in_sync // len(strategy.extended.worker_devices))

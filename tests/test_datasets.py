@@ -1,0 +1,59 @@
+"""Any TFDS image-classification dataset by name (its classes, sizes and splits from
+its own info), here on tfds.testing.mock_data; ResNet-50 and ImageNet's recipe."""
+import json
+import os
+
+import pytest
+import tensorflow_datasets as tfds
+
+from data import sources
+from trainer import recipes
+
+
+@pytest.mark.parametrize("dataset, model, classes", [
+    ("imagenet2012", "resnet50", 1000),  # variable-size photos: Inception crop, 224/256
+    ("cifar100", "cifar_cnn", 100),      # fixed 32x32: pad-crop-flip
+])
+def test_a_tfds_dataset_by_name_trains_and_evaluates(run, tmp_path, dataset, model,
+                                                     classes):
+    model_dir = str(tmp_path / "run")
+    with tfds.testing.mock_data(num_examples=24):
+        spec = sources.get_spec(dataset)
+        status, log = run(f"--dataset={dataset}", f"--model={model}", "--model_size=tiny",
+                          "--image_size=32", "--batch_size=8", "--train_steps=3",
+                          f"--model_dir={model_dir}", "--data_dir=" + str(tmp_path))
+    assert status == 0, log
+    assert spec.num_classes == classes and spec.eval_split == "validation"
+    assert spec.augment == ("inception_crop" if dataset == "imagenet2012" else "pad_crop_flip")
+    with open(os.path.join(model_dir, "metrics.json")) as f:
+        metrics = json.load(f)
+    assert metrics["steps"] == 3 and metrics["test_examples"] == 24
+    assert "Input: --cache=auto: in memory" in log  # mocked data has no files to stream
+
+
+def test_an_unprepared_dataset_is_one_line_naming_the_directory(run, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    status, log = run("--dataset=cifar100", f"--data_dir={empty}",
+                      f"--model_dir={tmp_path / 'run'}", "--train_steps=1")
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert status == 2 and len(errors) == 1, log
+    assert f"not prepared in {empty}" in errors[0] and "tfds build cifar100" in errors[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_unknown_names_and_splits_are_one_line():
+    with pytest.raises(sources.DatasetError, match="not a TFDS dataset name"):
+        sources.get_spec("no_such_dataset_anywhere")
+    with pytest.raises(sources.DatasetError, match="has no split 'valid'.*test, train"):
+        sources.get_spec("cifar10:3.0.2", eval_split="valid")
+    assert sources.get_spec("cifar10", eval_split="train[:10%]").eval_split == "train[:10%]"
+
+
+def test_the_resnet50_recipe_scales_its_learning_rate_with_the_batch():
+    values = {"model": "resnet50", "batch_size": 1024, "learning_rate": 1e-3}
+    assert recipes.resolve(values, set())[0]["learning_rate"] == pytest.approx(1.6)
+    resolved, origin = recipes.resolve({**values, "batch_size": 512}, {"batch_size"})
+    assert resolved["learning_rate"] == pytest.approx(0.2) and resolved["batch_size"] == 512
+    assert recipes.resolve({**values, "learning_rate": 0.5},
+                           {"learning_rate"})[0]["learning_rate"] == 0.5
