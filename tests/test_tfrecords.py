@@ -1,8 +1,10 @@
 """TFRecords: write -> read round trip, any image format, errors that name things;
 bucket paths (TensorFlow's in-memory ram:// standing in for gs://); the flowers
 codelab's files read as they are, and ours read the codelab's way."""
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -129,8 +131,12 @@ def test_tfrecord_dataset_needs_a_holdout_fraction(tmp_path):
         sources.get_spec(f"tfrecord:{tmp_path}/x*.tfrec")
 
 
-def _make_tfrecords(*args: str) -> subprocess.CompletedProcess:
+def _make_tfrecords(*args: str, quiet_env: bool = True) -> subprocess.CompletedProcess:
+    """The command; quiet_env=False leaves TF_CPP_MIN_LOG_LEVEL unset, so the command
+    must silence TensorFlow's start-up by itself."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    if not quiet_env:
+        env.pop("TF_CPP_MIN_LOG_LEVEL")
     return subprocess.run([sys.executable, "-m", "data.make_tfrecords", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
 
@@ -163,6 +169,135 @@ def test_cli_missing_folder_is_a_one_line_error_with_status_2(tmp_path):
     assert len(errors) == 1 and "no_such_folder" in errors[0]
     assert result.stderr.strip().splitlines()[-1] == errors[0]
     assert not os.listdir(tmp_path)  # nothing written
+
+
+# --- --source=generated: learnable JPEGs of varied sizes, and progress lines --------
+
+TINY = make_tfrecords.Generated(num_examples=40, classes=3, seed=0)
+TINY_FLAGS = ("--source=generated", "--num_examples=40", "--classes=3", "--image_size=32",
+              "--shards=2")
+PROGRESS_LINE = re.compile(r"^[\d,]+/[\d,]+ records, [\d,]+ records/s, ETA (\d+:)?\d+:\d\d$")
+FINAL_LINE = re.compile(r"^[\d,]+ records in \d+\.\d s, [\d,]+ records/s$")
+
+
+def _file_bytes(folder) -> dict[str, bytes]:
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
+
+
+def _size_feature(record) -> list[int]:
+    return list(tf.train.Example.FromString(record.numpy()).features.feature["size"]
+                .int64_list.value)
+
+
+def test_generated_source_writes_learnable_jpegs_of_varied_sizes(tmp_path):
+    paths = make_tfrecords.write("generated", str(tmp_path / "a" / "gen"), 32, 2, None,
+                                 generated=TINY)
+    assert [os.path.basename(p) for p in paths] == ["gen00-20.tfrec", "gen01-20.tfrec"]
+    meta = json.loads((tmp_path / "a" / "dataset.json").read_text())
+    assert meta["records"] == 40 and meta["image_size"] == 32 and meta["files"] == 2
+    assert meta["class_names"] == ["class_0", "class_1", "class_2"]
+    assert meta["source"] == "" and meta["generated"]["seed"] == 0
+    spec = sources.get_spec(f"tfrecord:{tmp_path}/a/gen*.tfrec")
+    assert spec.num_classes == 3 and spec.image_shape == (32, 32, 3)
+
+    ds, count = tfrecords.load(str(tmp_path / "a" / "gen*.tfrec"))
+    examples = [(image.numpy(), int(label), int(index)) for image, label, index in ds]
+    assert count == len(examples) == 40
+    assert sorted(index for _, _, index in examples) == list(range(40))
+    assert {label for _, label, _ in examples} == {0, 1, 2}  # in range, all there
+    shapes = {image.shape for image, _, _ in examples}
+    assert len(shapes) > 10  # sizes vary per example ...
+    assert all(26 <= h <= 40 and 26 <= w <= 40 and c == 3 for h, w, c in shapes)  # 0.8-1.25x
+    records = list(tf.data.TFRecordDataset(paths))
+    assert all(r.numpy().count(b"\xff\xd8\xff") for r in records)  # JPEG
+    by_index = {index: image.shape[:2] for image, _, index in examples}
+    assert all(_size_feature(r) == list(by_index[int(tfrecords.parse(r)[2])])
+               for r in records)  # `size` is the image's own [height, width]
+
+    # Learnable: the nearest class pattern (at 32x32) names the label of every image.
+    patterns = make_tfrecords.class_patterns(3).numpy() * 0.6 + 50.0
+    for image, label, _ in examples:
+        small = tf.image.resize(image.astype(np.float32), (32, 32)).numpy()
+        assert np.argmin(((patterns - small) ** 2).mean(axis=(1, 2, 3))) == label
+
+    # Deterministic: the same call writes the same bytes; another seed other images.
+    make_tfrecords.write("generated", str(tmp_path / "b" / "gen"), 32, 2, None,
+                         generated=TINY)
+    assert _file_bytes(tmp_path / "a") == _file_bytes(tmp_path / "b")
+    other = make_tfrecords.write("generated", str(tmp_path / "c" / "gen"), 32, 2, None,
+                                 generated=make_tfrecords.Generated(40, 3, seed=1))
+    assert open(other[0], "rb").read() != open(paths[0], "rb").read()
+
+
+def test_generated_images_at_224_are_photo_sized_jpegs():
+    ds = make_tfrecords.generated_dataset(224, make_tfrecords.Generated(16, 100))
+    sizes = [len(encoded) for encoded, _, _, _ in ds.as_numpy_iterator()]
+    assert 10_000 < np.mean(sizes) < 30_000, sizes
+
+
+def test_generated_source_refuses_split_and_round_trip(tmp_path):
+    for kwargs in ({"split": "test"}, {"round_trip": 75}):
+        with pytest.raises(sources.DatasetError, match="generated_seed"):
+            make_tfrecords.write("generated", str(tmp_path / "x"), 8, 1, None, **kwargs)
+    assert not os.listdir(tmp_path)
+
+
+class _FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_lines_off_a_terminal_and_a_bar_on_one():
+    now = [0.0]
+    stream = io.StringIO()
+    progress = make_tfrecords.Progress(stream, every_seconds=10, every_records=0,
+                                       live=False, clock=lambda: now[0])
+    progress.start(200_000)
+    for _ in range(12):
+        now[0] += 1.0
+        progress.update(1_000)  # 1,000 records/s: a line at 10 s, none before
+    progress.update(188_000 - 1)
+    now[0] += 100.0
+    progress.update(1)
+    lines = progress.finish(), stream.getvalue().splitlines()
+    assert lines[1][0] == "10,000/200,000 records, 1,000 records/s, ETA 3:10"
+    assert len(lines[1]) == 2 and lines[1][1] == lines[0] == (
+        "200,000 records in 112.0 s, 1,786 records/s")
+    # By records: a line every 5 records, none at the end (the final line says it).
+    stream = io.StringIO()
+    progress = make_tfrecords.Progress(stream, every_seconds=1e9, every_records=5,
+                                       live=False)
+    progress.start(12)
+    list(progress.track(iter([b"x"] * 12)))
+    progress.finish()
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" ")[0] for line in lines] == ["5/12", "10/12", "12"]
+    assert all(PROGRESS_LINE.match(line) for line in lines[:2])
+    assert FINAL_LINE.match(lines[2])
+    assert make_tfrecords._clock(3725) == "1:02:05"
+    # On a terminal: tqdm's bar with the rate and the ETA.
+    terminal = _FakeTerminal()
+    progress = make_tfrecords.Progress(terminal, live=True)
+    progress.start(3)
+    list(progress.track(iter([b"x"] * 3)))
+    progress.finish()
+    assert "3.00/3.00" in terminal.getvalue() and "records/s" in terminal.getvalue()
+
+
+def test_cli_generated_is_quiet_with_plain_progress_lines_and_the_same_bytes(tmp_path):
+    result = _make_tfrecords(*TINY_FLAGS, f"--output={tmp_path}/cli/gen",
+                             "--progress_records=16", quiet_env=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "wrote 40 records in 2 files" in result.stdout
+    lines = result.stderr.splitlines()
+    # Nothing but our lines: no oneDNN / cpu_feature_guard / CUDA / absl start-up lines.
+    assert [line.split(" ")[0] for line in lines] == ["16/40", "32/40", "40"], lines
+    assert all(PROGRESS_LINE.match(line) for line in lines[:-1]) and FINAL_LINE.match(
+        lines[-1])
+    # The command's files are the library's, byte for byte, from another process.
+    make_tfrecords.write("generated", str(tmp_path / "lib" / "gen"), 32, 2, None,
+                         generated=TINY)
+    assert _file_bytes(tmp_path / "cli") == _file_bytes(tmp_path / "lib")
 
 
 # --- Paths through tf.io.gfile: ram:// stands in for a gs:// bucket ----------------

@@ -8,16 +8,12 @@ steps instead (see reporting.Progress).
 """
 import contextlib
 import logging
-import os
 from typing import IO
 
 import tqdm
 
-
-def is_live_terminal(stream: IO) -> bool:
-    """A bar only where a person watches: a TTY that is not a dumb terminal or CI."""
-    return (hasattr(stream, "isatty") and stream.isatty()
-            and os.environ.get("TERM") != "dumb" and not os.environ.get("CI"))
+# In data/ so data.make_tfrecords shares it; the loop calls progress_bar.is_live_terminal.
+from data.quiet import is_live_terminal  # noqa: F401
 
 
 class EpochBars:

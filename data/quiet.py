@@ -1,0 +1,51 @@
+"""What a command shows on the console: a quiet TensorFlow start-up, and whether a
+person watches the stream (a live bar) or it goes to a log (plain lines).
+
+In data/ so that data.make_tfrecords can use it without importing trainer/; the
+trainer's commands use it through trainer/cli.py and trainer/output/progress_bar.py.
+Imports nothing heavy: it runs before TensorFlow is imported.
+"""
+import os
+import sys
+from typing import IO
+
+
+def wants_all_logs(argv: list[str]) -> bool:
+    """--verbosity=1 (or -v 1, or more) on the command line: show every library log."""
+    for i, arg in enumerate(argv):
+        for name in ("--verbosity", "-v"):
+            value = (arg[len(name) + 1:] if arg.startswith(name + "=") else
+                     argv[i + 1] if arg == name and i + 1 < len(argv) else None)
+            if value is not None:
+                try:
+                    return int(value) >= 1
+                except ValueError:
+                    return False
+    return False
+
+
+def set_native_log_level(argv: list[str]) -> None:
+    """Call before TensorFlow is imported: its C++ warnings (a cache "not fully
+    read" at every evaluation, "GeneratorDatasetOp will not be optimized" every
+    epoch) only with --verbosity=1; errors always. TensorFlow's start-up lines
+    (oneDNN notice, CUDA probing on a machine without GPUs), which no log level
+    hides, are dropped by importing it with the native stderr muted."""
+    verbose = wants_all_logs(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if verbose else "2")
+    if verbose or "tensorflow" in sys.modules:
+        return
+    saved, muted = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(muted, 2)
+    try:
+        import tensorflow as tf
+        tf.config.list_physical_devices()  # the device probing prints here
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(muted)
+
+
+def is_live_terminal(stream: IO) -> bool:
+    """A bar only where a person watches: a TTY that is not a dumb terminal or CI."""
+    return (hasattr(stream, "isatty") and stream.isatty()
+            and os.environ.get("TERM") != "dumb" and not os.environ.get("CI"))
