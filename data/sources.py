@@ -129,10 +129,6 @@ def _tfds_dir(data_dir: str | None) -> str | None:
     return data_dir or os.environ.get("TFDS_DATA_DIR") or None
 
 
-def _where(data_dir: str | None) -> str:
-    return data_dir or "the default TFDS data dir (~/tensorflow_datasets)"
-
-
 def tfds_spec(name: str, data_dir: str | None = None, train_split: str = "",
               eval_split: str = "") -> DatasetSpec:
     """Any TFDS image-classification dataset, from its own DatasetInfo: its classes
@@ -558,16 +554,17 @@ def not_prepared(name: str, split: str, data_dir: str | None) -> str:
     """The one line for a TFDS dataset that is not in the data dir: where we looked
     and how to prepare it."""
     import tensorflow_datasets as tfds
+    root = data_dir or os.path.expanduser("~/tensorflow_datasets")  # TFDS' default
     try:
         builder = tfds.builder(name, data_dir=data_dir)
         where, manual = builder.data_dir, bool(getattr(builder,
                                                        "MANUAL_DOWNLOAD_INSTRUCTIONS", None))
     except Exception:  # noqa: BLE001 (any failure: the message below still holds)
-        where, manual = os.path.join(_where(data_dir), name), False
-    how = (f"put its archives in {os.path.join(_where(data_dir), 'downloads', 'manual')} "
-           f"and run tfds build {name} --data_dir={_where(data_dir)}" if manual else
-           f"run tfds build {name} --data_dir={_where(data_dir)} where there is network, "
-           f"or add --download_data")
+        where, manual = os.path.join(root, name), False
+    how = (f"put its archives in {os.path.join(root, 'downloads', 'manual')} and run "
+           f"tfds build {name} --data_dir={root}" if manual else
+           f"run tfds build {name} --data_dir={root} where there is network, or add "
+           f"--download_data")
     return (f"dataset {name!r} split {split!r} is not prepared in {where}: {how} (or pass "
             f"--data_dir=DIR / set TFDS_DATA_DIR to a prepared TFDS data dir)")
 

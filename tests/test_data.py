@@ -294,8 +294,9 @@ def test_synthetic_data_is_deterministic_and_labelled():
 
 
 def test_unknown_dataset_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="valid: cifar10, synthetic, tf_flowers"):
-        sources.get_spec("imagenet")
+    with pytest.raises(sources.DatasetError,
+                       match="not one of cifar10, synthetic, tf_flowers.*not a TFDS"):
+        sources.get_spec("imagenet")  # (TFDS' is imagenet2012)
 
 
 def test_missing_tfds_data_is_a_one_line_error(tmp_path):

@@ -55,7 +55,8 @@ def test_cli_trains_and_writes_weights_and_metrics_with_a_quiet_log(tmp_path):
 
 @pytest.mark.parametrize("flag,message", [
     ("--model=resnet9", "unknown model 'resnet9'; valid: airbench, airbench_small, cifar_cnn"),
-    ("--dataset=mnist", "unknown dataset 'mnist'; valid: cifar10, synthetic, tf_flowers"),
+    ("--dataset=no_such_set", "unknown dataset 'no_such_set': not one of cifar10, "
+     "synthetic, tf_flowers"),
     ("--cpu_replicas=3", "--batch_size=16 does not divide by the 3 replicas"),
     ("--grad_accum_steps=3", "does not divide into --grad_accum_steps=3 micro-batches"),
     ("--model=xception --model_size=full --image_size=32", "at least 71x71"),

@@ -14,6 +14,7 @@ import tensorflow as tf
 from trainer.settings import ConfigError
 
 SUM = tf.distribute.ReduceOp.SUM
+INPUT_WAIT = "input_wait_seconds"  # the loop's own entry in a train loop's sums
 Sums = dict[str, tuple[tf.Tensor, tf.Tensor]]
 
 
@@ -59,7 +60,7 @@ def summable(metrics, source: str = "the step", reserved: tuple[str, ...] = ()) 
 
 def _summable(replica_fn: Callable) -> Callable:
     """`replica_fn` with its metrics checked and made tensors (`summable`)."""
-    return lambda batch: summable(replica_fn(batch))
+    return lambda batch: summable(replica_fn(batch), reserved=(INPUT_WAIT,))
 
 
 def _describe(value) -> str:
@@ -71,20 +72,31 @@ def _describe(value) -> str:
 
 
 def _run_steps(strategy: tf.distribute.Strategy, replica_fn: Callable, iterator,
-               num_steps: tf.Tensor) -> Sums:
-    """`num_steps` steps; every (total, weight) summed over replicas and steps."""
+               num_steps: tf.Tensor) -> tuple[Sums, tf.Tensor]:
+    """`num_steps` steps; every (total, weight) summed over replicas and steps, and
+    the seconds the steps waited for their input."""
     replica_fn = _summable(replica_fn)
 
-    def one_step():
-        per_replica = strategy.run(replica_fn, args=(next(iterator),))
+    def one_step(previous: list):
+        # The input wait: from the previous step's end (its sums exist) to this
+        # step's batch being there. A pipeline that keeps up has it prefetched.
+        with tf.control_dependencies(previous):
+            asked = tf.timestamp()
+        with tf.control_dependencies([asked]):
+            batch = next(iterator)
+        with tf.control_dependencies(tf.nest.flatten(batch, expand_composites=True)):
+            waited = tf.timestamp() - asked
+        per_replica = strategy.run(replica_fn, args=(batch,))
         # SUM over replicas: each returned totals over its own share of the batch.
         return tf.nest.map_structure(lambda t: strategy.reduce(SUM, t, axis=None),
-                                     per_replica)
+                                     per_replica), waited
 
-    totals = one_step()  # the first step fixes the structure the step returns
+    totals, waited = one_step([])  # the first step fixes the structure the step returns
     for _ in tf.range(num_steps - 1):
-        totals = tf.nest.map_structure(tf.add, totals, one_step())
-    return totals
+        step_totals, step_waited = one_step(tf.nest.flatten(totals))
+        totals = tf.nest.map_structure(tf.add, totals, step_totals)
+        waited += step_waited
+    return totals, waited
 
 
 def _maybe_jit(replica_fn: Callable, jit_compile: bool) -> Callable:
@@ -95,7 +107,8 @@ def _maybe_jit(replica_fn: Callable, jit_compile: bool) -> Callable:
 
 def make_train_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
                     jit_compile: bool = False) -> Callable:
-    """Returns train_loop(iterator, num_steps, stop_flag) -> (sums, stop_requested).
+    """Returns train_loop(iterator, num_steps, stop_flag) -> (sums, stop_requested);
+    sums[INPUT_WAIT] is (seconds the steps waited for their input, steps).
 
     stop_flag (a float tensor, 1.0 after SIGTERM on this worker) is summed across
     workers, so a stop request on any worker reaches every worker and all of them
@@ -105,10 +118,10 @@ def make_train_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
 
     @tf.function
     def train_loop(iterator, num_steps: tf.Tensor, stop_flag: tf.Tensor):
-        sums = _run_steps(strategy, replica_fn, iterator, num_steps)
+        sums, waited = _run_steps(strategy, replica_fn, iterator, num_steps)
         stop = strategy.reduce(SUM, strategy.run(lambda: tf.identity(stop_flag)),
                                axis=None)
-        return sums, stop
+        return {**sums, INPUT_WAIT: (waited, tf.cast(num_steps, tf.float64))}, stop
 
     return train_loop
 
@@ -120,7 +133,7 @@ def make_eval_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
 
     @tf.function
     def eval_loop(iterator, num_steps: tf.Tensor) -> Sums:
-        return _run_steps(strategy, replica_fn, iterator, num_steps)
+        return _run_steps(strategy, replica_fn, iterator, num_steps)[0]
 
     return eval_loop
 
@@ -128,4 +141,5 @@ def make_eval_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
 def means(sums: Sums) -> dict[str, float]:
     """total / weight of every scalar metric (0 where nothing was counted)."""
     return {key: float(total) / float(weight) if float(weight) else 0.0
-            for key, (total, weight) in sums.items() if np.size(total) == 1}
+            for key, (total, weight) in sums.items()
+            if np.size(total) == 1 and key != INPUT_WAIT}

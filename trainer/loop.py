@@ -249,6 +249,8 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             **{k: v for k, v in last_train.items() if k.startswith("train_")},
             "train_seconds": history[-1]["train_seconds"],
             "images_per_second": progress.images_per_second(current),
+            "input_wait_fraction": progress.input_wait_fraction(),
+            "peak_memory_gib": progress_lib.peak_memory_bytes() / 2**30,
             **progress.flop_rates(current),
             "steps": current, "epochs": current / plan.steps_per_epoch,
             "resumed_from_step": start_step, "skipped_steps": progress.skipped_steps,
@@ -264,9 +266,11 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                                                          inference.WEIGHTS_FILE))
     metrics = recorder.finish(metrics, schedules.sample_points(schedule, 200),
                               plan.steps_per_epoch)
-    logging.info("Done: %s on %d examples, %.1f s training, %.0f img/s",
-                 recorder.describe(metrics), metrics["test_examples"],
-                 metrics["train_seconds"], metrics["images_per_second"])
+    logging.info("Done: %s on %d examples, %.1f s training, %.0f img/s, %s, peak "
+                 "memory %.2f GiB", recorder.describe(metrics), metrics["test_examples"],
+                 metrics["train_seconds"], metrics["images_per_second"],
+                 progress_lib.input_text(metrics["input_wait_fraction"]),
+                 metrics["peak_memory_gib"])
     if multi_worker:  # leave together: the chief hosts the coordination service
         strategy.reduce(tf.distribute.ReduceOp.SUM,  # that the others still use
                         strategy.run(lambda: tf.constant(1.0)), axis=None)

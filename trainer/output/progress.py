@@ -1,6 +1,7 @@
 """Progress lines, images/sec, ETA, the set-up log lines and the weights'
 checksum."""
 import hashlib
+import sys
 import time
 
 import numpy as np
@@ -30,12 +31,17 @@ class Progress:
         self.start_step = start_step
         self.train_seconds = 0.0
         self.skipped_steps = 0  # updates dropped for a non-finite gradient (--on_nan)
+        self.input_wait_seconds = 0.0  # of train_seconds, spent waiting for batches
         self.bars = bars
         self._window = _Window()  # since the last log line
         self._epoch = _Window()   # since the start of the epoch, for the bar
 
     def add(self, sums: dict, num_steps: int, seconds: float) -> int:
         """Adds the sums of `num_steps` steps; returns how many were skipped."""
+        sums = dict(sums)
+        waited = float(sums.pop(distributed.INPUT_WAIT, (0.0, 0))[0])
+        self.input_wait_seconds += waited
+        self._window.waited += waited
         self._window.add(sums, num_steps, seconds)
         self._epoch.add(sums, num_steps, seconds)
         self.train_seconds += seconds
@@ -48,6 +54,10 @@ class Progress:
                             "this run)", skipped, self.skipped_steps + skipped)
         self.skipped_steps += skipped
         return skipped
+
+    def input_wait_fraction(self) -> float:
+        """Of the training time, the fraction the steps waited for their input."""
+        return self.input_wait_seconds / self.train_seconds if self.train_seconds else 0.0
 
     def images_per_second(self, step: int) -> float:
         images = (step - self.start_step) * self.global_batch_size
@@ -97,17 +107,39 @@ class Progress:
         shows them); returns them as a train-history record, each metric as
         `train_<name>`."""
         means, rate = self._window.means(self.global_batch_size)
+        waiting = self._window.waited / self._window.seconds if self._window.seconds else 0.0
         if self.bars is None:
-            logging.info("step %d/%d  epoch %.2f  %s  lr %.3g  %.0f img/s%s  ETA %s",
+            logging.info("step %d/%d  epoch %.2f  %s  lr %.3g  %.0f img/s%s  %s  ETA %s",
                          step, self.total_steps, step / self.steps_per_epoch,
                          _format(means), learning_rate, rate, self._flops_text(rate),
-                         self._eta(step, rate))
+                         input_text(waiting), self._eta(step, rate))
         self._window = _Window()
         return {"step": step, "epoch": step / self.steps_per_epoch,
                 "train_seconds": self.train_seconds,
                 **{f"train_{key}": value for key, value in means.items()},
                 "learning_rate": learning_rate, "images_per_second": rate,
-                "gflops_per_second": rate * self.flops_per_image / 1e9}
+                "gflops_per_second": rate * self.flops_per_image / 1e9,
+                "input_wait_fraction": waiting}
+
+
+INPUT_BOUND = 0.05  # waiting longer than this fraction of the time: the input limits
+
+
+def input_text(fraction: float) -> str:
+    """'input wait 2%', or 'input-bound: waited 31% of the time for data'."""
+    if fraction > INPUT_BOUND:
+        return f"input-bound: waited {100 * fraction:.0f}% of the time for data"
+    return f"input wait {100 * fraction:.0f}%"
+
+
+def peak_memory_bytes() -> int:
+    """This process's peak resident memory so far (0 where the OS does not say)."""
+    try:
+        import resource
+    except ImportError:  # not on Linux or macOS
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS: bytes; Linux: KiB
 
 
 def format_test_metrics(result: dict) -> str:
@@ -126,7 +158,7 @@ class _Window:
 
     def __init__(self):
         self.sums: dict[str, list[float]] = {}
-        self.steps, self.seconds = 0, 0.0
+        self.steps, self.seconds, self.waited = 0, 0.0, 0.0
 
     def add(self, sums: dict, num_steps: int, seconds: float) -> None:
         for key, (total, weight) in sums.items():

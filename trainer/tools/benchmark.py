@@ -4,7 +4,8 @@
 
 Cases (all the same model and global batch, on this machine's default device):
 ours (in-memory batches), Keras model.fit at the same precision and XLA setting,
-ours fed by the real input pipeline (TFDS + augmentation), ours with
+ours fed by the real input pipeline (TFDS + augmentation) cached in memory, and
+streamed from the files (--cache=none: decoded on the fly), ours with
 --steps_per_loop=1, ours in the other precision, ours with XLA toggled. The cases run
 interleaved, round after round, so drifting machine load hits all of them alike;
 the table gives the median over rounds. FLOPs per training image are counted from
@@ -47,7 +48,7 @@ class Case:
     precision: str
     jit: bool
     steps_per_loop: int = 10
-    data: str = "memory"  # "memory" | "pipeline"
+    data: str = "memory"  # "memory" | "pipeline" (cached) | "stream"
 
 
 def _in_memory(shape, num_classes: int, batch: int, as_dict: bool = True
@@ -74,7 +75,9 @@ class Runner:
         config = Config(model=args.model, model_size=args.model_size,
                         dataset=args.dataset, image_size=shape[0],
                         batch_size=self.batch, data_dir=args.data_dir, optimizer="adam",
-                        learning_rate=1e-3, train_steps=args.steps)
+                        learning_rate=1e-3, train_steps=args.steps,
+                        cache="none" if case.data == "stream" else "memory")
+        self.waited = 0.0  # seconds the timed steps waited for their input
         if case.runner == "fit":
             with strategy.scope():
                 task = build.make_task(config, spec)
@@ -88,10 +91,12 @@ class Runner:
             run = build.build_run(config, spec, build.plan(
                 config, spec, strategy.num_replicas_in_sync), strategy, case.precision)
             self.loop = distributed.make_train_loop(strategy, run.train_step, case.jit)
-            if case.data == "pipeline":  # exactly what trainer.main trains on
+            if case.data in ("pipeline", "stream"):  # exactly what trainer.main trains on
                 _, train_examples = sources.load(spec, spec.train_split, args.data_dir)
+                mode, record_files, _ = inputs.choose_mode(config, spec, train_examples)
                 dataset = strategy.distribute_datasets_from_function(
-                    inputs.train_input_fn(config, spec, train_examples))
+                    inputs.train_input_fn(config, spec, train_examples, mode=mode,
+                                          files=record_files))
             else:
                 dataset = strategy.experimental_distribute_dataset(
                     _in_memory(shape, spec.num_classes, self.batch))
@@ -111,6 +116,7 @@ class Runner:
                 n = min(per_call, steps - done)
                 sums, _ = self.loop(self.iterator, tf.constant(n), tf.constant(0.0))
                 float(sums["loss"][0])  # waits for the steps
+                self.waited += float(sums[distributed.INPUT_WAIT][0])
                 done += n
         return time.perf_counter() - start
 
@@ -127,7 +133,7 @@ class _StepTimer(keras.callbacks.Callback):
         self.end = time.perf_counter()
 
 
-CASE_KEYS = ("ours", "fit", "pipeline", "loop1", "precision", "xla")
+CASE_KEYS = ("ours", "fit", "pipeline", "stream", "loop1", "precision", "xla")
 
 
 def cases(precision: str, jit: bool, steps_per_loop: int,
@@ -139,6 +145,8 @@ def cases(precision: str, jit: bool, steps_per_loop: int,
         Case("fit", "model.fit", "fit", precision, jit),
         Case("pipeline", "ours, real input pipeline", "ours", precision, jit,
              steps_per_loop, "pipeline"),
+        Case("stream", "ours, streaming input pipeline", "ours", precision, jit,
+             steps_per_loop, "stream"),
         Case("loop1", "ours, steps_per_loop=1", "ours", precision, jit, 1),
         Case("precision", f"ours, {other}", "ours", other, jit, steps_per_loop),
         Case("xla", f"ours, XLA {'off' if jit else 'on'}", "ours", precision, not jit,
@@ -153,7 +161,7 @@ def runnable(chosen: list[Case], replicas: int) -> list[Case]:
 
 
 def measure(args) -> dict:
-    spec = sources.get_spec(args.dataset)
+    spec = sources.get_spec(args.dataset, args.data_dir)
     size = args.image_size or spec.image_shape[0]
     shape = (size, size, spec.image_shape[2])
     precision = strategy_lib.resolve_precision(args.precision, "cpu")
@@ -162,6 +170,8 @@ def measure(args) -> dict:
     for runner in runners:  # trace, fill caches and warm up before timing
         runner.run(max(2, runner.case.steps_per_loop))
     seconds = {r.case.name: [] for r in runners}
+    for runner in runners:
+        runner.waited = 0.0  # the timed rounds' only
     for _ in range(args.rounds):
         for runner in runners:
             seconds[runner.case.name].append(runner.run(args.steps))
@@ -177,6 +187,7 @@ def measure(args) -> dict:
         rows.append({**dataclasses.asdict(runner.case), "images_per_second": rate,
                      "achieved_flops": rate * flops,
                      "fraction_of_peak": rate * flops / peaks[runner.case.precision],
+                     "input_wait_fraction": runner.waited / sum(seconds[runner.case.name]),
                      "seconds_per_round": seconds[runner.case.name]})
     return {"model": args.model, "dataset": args.dataset, "image_shape": shape,
             "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds,
@@ -192,7 +203,7 @@ def markdown(result: dict) -> str:
              "peak " + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s"
                                  for p, v in sorted(result["peak_flops"].items())),
              "", "| case | precision | XLA | steps/loop | img/s | vs ours | GFLOP/s | "
-             "of peak |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "of peak | input wait |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in result["rows"]:
         lines.append(f"| {row['name']} | {row['precision']} | "
                      f"{'on' if row['jit'] else 'off'} | "
@@ -200,14 +211,21 @@ def markdown(result: dict) -> str:
                      f"{row['images_per_second']:,.0f} | "
                      f"{row['images_per_second'] / base:.2f} | "
                      f"{row['achieved_flops'] / 1e9:.0f} | "
-                     f"{100 * row['fraction_of_peak']:.0f}% |")
+                     f"{100 * row['fraction_of_peak']:.0f}% | "
+                     f"{_wait(row)} |")
     return "\n".join(lines)
+
+
+def _wait(row: dict) -> str:
+    if row["runner"] != "ours":
+        return "-"
+    return f"{100 * row['input_wait_fraction']:.0f}%"
 
 
 def define_flags() -> None:
     flags.DEFINE_string("model", "cifar_cnn", f"Model: {'|'.join(models.names())}.")
     flags.DEFINE_enum("model_size", "full", ["full", "tiny"], "tiny: the test variant.")
-    flags.DEFINE_enum("dataset", "cifar10", list(sources.names()), "Dataset.")
+    flags.DEFINE_string("dataset", "cifar10", "Dataset, as trainer.main's --dataset.")
     flags.DEFINE_integer("batch_size", 1024, "Global batch size.")
     flags.DEFINE_integer("image_size", 0, "Square image size (0: the dataset's).")
     flags.DEFINE_string("precision", "auto", "auto|float32|mixed_bfloat16|mixed_float16.")
