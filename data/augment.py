@@ -228,7 +228,8 @@ def inception_box(shape: tf.Tensor, seed: tf.Tensor, area=CROP_AREA, aspect=CROP
     return tf.cond(failed, lambda: central_box(shape), lambda: box)
 
 
-def _resized(image: tf.Tensor, size: int) -> tf.Tensor:
+def resized_uint8(image: tf.Tensor, size: int) -> tf.Tensor:
+    """[..., H, W, C] -> uint8 [..., size, size, C], bilinear (the crops' resize)."""
     image = tf.image.resize(image, (size, size), method="bilinear")
     return tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8)
 
@@ -238,13 +239,13 @@ def decode_inception_crop(image_bytes: tf.Tensor, seed: tf.Tensor, size: int,
     """Training: a random Inception box decoded (only its pixels, for a JPEG) and
     resized to size x size uint8. A pure function of (bytes, seed)."""
     box = inception_box(encoded_shape(image_bytes, channels), seed)
-    return _resized(decode_crop(image_bytes, box, channels), size)
+    return resized_uint8(decode_crop(image_bytes, box, channels), size)
 
 
 def decode_central_crop(image_bytes: tf.Tensor, size: int, channels: int = 3) -> tf.Tensor:
     """Evaluation: the central 224/256 square, resized to size x size uint8."""
     box = central_box(encoded_shape(image_bytes, channels))
-    return _resized(decode_crop(image_bytes, box, channels), size)
+    return resized_uint8(decode_crop(image_bytes, box, channels), size)
 
 
 def make_central_crop(size: int) -> Callable[..., Batch]:
@@ -252,7 +253,7 @@ def make_central_crop(size: int) -> Callable[..., Batch]:
     224/256 square resized to size x size, as decode_central_crop does."""
     def crop(image: tf.Tensor, label: tf.Tensor) -> Batch:
         box = central_box(tf.shape(image)[:2])
-        return _resized(tf.image.crop_to_bounding_box(image, *tf.unstack(box)), size), label
+        return resized_uint8(tf.image.crop_to_bounding_box(image, *tf.unstack(box)), size), label
     return crop
 
 

@@ -179,3 +179,45 @@ def test_the_central_crop_is_deterministic_and_is_the_centre():
     jpeg = tf.io.encode_jpeg(image, quality=100)
     from_jpeg = augment.decode_central_crop(jpeg, 224).numpy().astype(int)
     assert np.abs(from_jpeg - image.numpy()[16:240, 48:272]).mean() < 3  # JPEG's loss
+
+
+def test_the_train_loop_times_the_wait_for_a_slow_input_and_the_log_says_input_bound(
+        caplog):
+    import logging
+    import time
+    from trainer import distributed
+    from trainer.output import progress as progress_lib
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    weights = tf.random.stateless_normal([500, 500], (1, 2))
+
+    def step(batch):  # a few milliseconds of work, far more than taking a ready batch
+        product = weights * tf.reduce_mean(batch)  # (the work needs the batch, as a model's)
+        for _ in range(4):
+            product = tf.linalg.matmul(product, weights) / 25.0
+        return {"loss": (tf.reduce_sum(batch) + tf.reduce_mean(product), 4.0)}
+    slow = tf.data.Dataset.range(100).map(lambda i: tf.py_function(
+        lambda: time.sleep(0.03) or np.float32(1.0), [], tf.float32)).batch(4)
+    fast = tf.data.Dataset.from_tensors(tf.ones([4])).repeat()
+    fractions = []
+    for dataset in (slow, fast):
+        loop = distributed.make_train_loop(strategy, step)
+        iterator = iter(strategy.experimental_distribute_dataset(dataset))
+        loop(iterator, tf.constant(2), tf.constant(0.0))  # traced, not timed
+        progress = progress_lib.Progress(20, 20, 4, 0)
+        started = time.perf_counter()
+        sums, _ = loop(iterator, tf.constant(10), tf.constant(0.0))
+        sums = tf.nest.map_structure(lambda t: t.numpy(), sums)
+        progress.add(sums, 10, time.perf_counter() - started)
+        assert sums[distributed.INPUT_WAIT][1] == 10  # timed, per step
+        fractions.append(progress.input_wait_fraction())
+        with caplog.at_level(logging.INFO, logger="absl"):
+            record = progress.log(10, 0.1)
+        assert record["input_wait_fraction"] == pytest.approx(fractions[-1])
+    # (ratios, not times: the slow input sleeps 0.12 s a batch, the step takes ~5 ms)
+    assert fractions[0] > 0.6 and fractions[1] < fractions[0] / 3, fractions
+    lines = [r.getMessage() for r in caplog.records if "step 10/20" in r.getMessage()]
+    assert "input-bound: waited" in lines[0] and "input" in lines[1]
+    untimed = distributed.make_train_loop(strategy, step, time_input=False)
+    sums, _ = untimed(iter(strategy.experimental_distribute_dataset(fast)), tf.constant(2),
+                      tf.constant(0.0))
+    assert float(sums[distributed.INPUT_WAIT][1]) == 0  # not timed: the log says nothing

@@ -72,12 +72,16 @@ def _describe(value) -> str:
 
 
 def _run_steps(strategy: tf.distribute.Strategy, replica_fn: Callable, iterator,
-               num_steps: tf.Tensor) -> tuple[Sums, tf.Tensor]:
+               num_steps: tf.Tensor, time_input: bool = False) -> tuple[Sums, tf.Tensor]:
     """`num_steps` steps; every (total, weight) summed over replicas and steps, and
-    the seconds the steps waited for their input."""
+    (time_input) the seconds the steps waited for their input, else 0."""
     replica_fn = _summable(replica_fn)
 
     def one_step(previous: list):
+        if not time_input:
+            per_replica = strategy.run(replica_fn, args=(next(iterator),))
+            return tf.nest.map_structure(lambda t: strategy.reduce(SUM, t, axis=None),
+                                         per_replica), tf.constant(0.0, tf.float64)
         # The input wait: from the previous step's end (its sums exist) to this
         # step's batch being there. A pipeline that keeps up has it prefetched.
         with tf.control_dependencies(previous):
@@ -106,9 +110,10 @@ def _maybe_jit(replica_fn: Callable, jit_compile: bool) -> Callable:
 
 
 def make_train_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
-                    jit_compile: bool = False) -> Callable:
+                    jit_compile: bool = False, time_input: bool = True) -> Callable:
     """Returns train_loop(iterator, num_steps, stop_flag) -> (sums, stop_requested);
-    sums[INPUT_WAIT] is (seconds the steps waited for their input, steps).
+    sums[INPUT_WAIT] is (seconds the steps waited for their input, steps), or (0, 0)
+    with time_input=False (TensorFlow refuses timestamps under op determinism).
 
     stop_flag (a float tensor, 1.0 after SIGTERM on this worker) is summed across
     workers, so a stop request on any worker reaches every worker and all of them
@@ -118,10 +123,11 @@ def make_train_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
 
     @tf.function
     def train_loop(iterator, num_steps: tf.Tensor, stop_flag: tf.Tensor):
-        sums, waited = _run_steps(strategy, replica_fn, iterator, num_steps)
+        sums, waited = _run_steps(strategy, replica_fn, iterator, num_steps, time_input)
         stop = strategy.reduce(SUM, strategy.run(lambda: tf.identity(stop_flag)),
                                axis=None)
-        return {**sums, INPUT_WAIT: (waited, tf.cast(num_steps, tf.float64))}, stop
+        timed = tf.cast(num_steps if time_input else 0, tf.float64)
+        return {**sums, INPUT_WAIT: (waited, timed)}, stop
 
     return train_loop
 

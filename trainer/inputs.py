@@ -150,9 +150,24 @@ def init_images(config: Config, spec: sources.DatasetSpec, count: int = 5000
 def _eval_prepare(config: Config, spec: sources.DatasetSpec):
     """ImageNet-style data is evaluated on the central 224/256 crop; the rest is
     resized as for training."""
-    if (config.augment or spec.augment) in augment.DECODE_TIME_CROPS:
+    if central_crop(config, spec):
         return augment.make_central_crop(image_shape(config, spec)[0])
     return _prepare(config, spec)
+
+
+def central_crop(config: Config, spec: sources.DatasetSpec) -> bool:
+    """Whether evaluation (and serving) takes the central 224/256 crop."""
+    return (config.augment or spec.augment) in augment.DECODE_TIME_CROPS
+
+
+def eval_image(config: Config, spec: sources.DatasetSpec, image) -> np.ndarray:
+    """Any [H, W, C] image -> uint8 at the run's size, as evaluation prepares it
+    (resized, or the central crop for ImageNet-style data)."""
+    size = image_shape(config, spec)[0]
+    if central_crop(config, spec):
+        image, _ = augment.make_central_crop(size)(tf.convert_to_tensor(image), 0)
+        return tf.cast(image, tf.uint8).numpy()
+    return resize_uint8(image, size)
 
 
 def eval_input_fn(config: Config, spec: sources.DatasetSpec, cache: bool = True):

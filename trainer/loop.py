@@ -141,7 +141,8 @@ def train_and_evaluate(config: Config, display: IO | None = None,
 
     # --- The step on every replica ---------------------------------------------------
     wrap_jit = jit and runtime.device_kind != "tpu"  # a TPU compiles the whole loop
-    train_loop = distributed.make_train_loop(strategy, run.train_step, wrap_jit)
+    train_loop = distributed.make_train_loop(strategy, run.train_step, wrap_jit,
+                                             time_input=not config.deterministic)
     eval_loop = distributed.make_eval_loop(strategy, run.eval_step, wrap_jit)
 
     def evaluate() -> dict:
@@ -249,7 +250,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             **{k: v for k, v in last_train.items() if k.startswith("train_")},
             "train_seconds": history[-1]["train_seconds"],
             "images_per_second": progress.images_per_second(current),
-            "input_wait_fraction": progress.input_wait_fraction(),
+            "input_wait_fraction": progress.input_wait_fraction(),  # None: not timed
             "peak_memory_gib": progress_lib.peak_memory_bytes() / 2**30,
             **progress.flop_rates(current),
             "steps": current, "epochs": current / plan.steps_per_epoch,
@@ -266,7 +267,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                                                          inference.WEIGHTS_FILE))
     metrics = recorder.finish(metrics, schedules.sample_points(schedule, 200),
                               plan.steps_per_epoch)
-    logging.info("Done: %s on %d examples, %.1f s training, %.0f img/s, %s, peak "
+    logging.info("Done: %s on %d examples, %.1f s training, %.0f img/s%s, peak "
                  "memory %.2f GiB", recorder.describe(metrics), metrics["test_examples"],
                  metrics["train_seconds"], metrics["images_per_second"],
                  progress_lib.input_text(metrics["input_wait_fraction"]),

@@ -32,6 +32,7 @@ class Progress:
         self.train_seconds = 0.0
         self.skipped_steps = 0  # updates dropped for a non-finite gradient (--on_nan)
         self.input_wait_seconds = 0.0  # of train_seconds, spent waiting for batches
+        self.input_timed = False  # whether the loop timed it (not under --deterministic)
         self.bars = bars
         self._window = _Window()  # since the last log line
         self._epoch = _Window()   # since the start of the epoch, for the bar
@@ -39,8 +40,9 @@ class Progress:
     def add(self, sums: dict, num_steps: int, seconds: float) -> int:
         """Adds the sums of `num_steps` steps; returns how many were skipped."""
         sums = dict(sums)
-        waited = float(sums.pop(distributed.INPUT_WAIT, (0.0, 0))[0])
+        waited, timed = (float(v) for v in sums.pop(distributed.INPUT_WAIT, (0.0, 0)))
         self.input_wait_seconds += waited
+        self.input_timed = self.input_timed or timed > 0
         self._window.waited += waited
         self._window.add(sums, num_steps, seconds)
         self._epoch.add(sums, num_steps, seconds)
@@ -55,8 +57,11 @@ class Progress:
         self.skipped_steps += skipped
         return skipped
 
-    def input_wait_fraction(self) -> float:
-        """Of the training time, the fraction the steps waited for their input."""
+    def input_wait_fraction(self) -> float | None:
+        """Of the training time, the fraction the steps waited for their input
+        (None: not timed)."""
+        if not self.input_timed:
+            return None
         return self.input_wait_seconds / self.train_seconds if self.train_seconds else 0.0
 
     def images_per_second(self, step: int) -> float:
@@ -107,9 +112,10 @@ class Progress:
         shows them); returns them as a train-history record, each metric as
         `train_<name>`."""
         means, rate = self._window.means(self.global_batch_size)
-        waiting = self._window.waited / self._window.seconds if self._window.seconds else 0.0
+        waiting = (self._window.waited / self._window.seconds if self._window.seconds
+                   else 0.0) if self.input_timed else None
         if self.bars is None:
-            logging.info("step %d/%d  epoch %.2f  %s  lr %.3g  %.0f img/s%s  %s  ETA %s",
+            logging.info("step %d/%d  epoch %.2f  %s  lr %.3g  %.0f img/s%s%s  ETA %s",
                          step, self.total_steps, step / self.steps_per_epoch,
                          _format(means), learning_rate, rate, self._flops_text(rate),
                          input_text(waiting), self._eta(step, rate))
@@ -125,11 +131,14 @@ class Progress:
 INPUT_BOUND = 0.05  # waiting longer than this fraction of the time: the input limits
 
 
-def input_text(fraction: float) -> str:
-    """'input wait 2%', or 'input-bound: waited 31% of the time for data'."""
+def input_text(fraction: float | None) -> str:
+    """'  input wait 2%', '  input-bound: waited 31% of the time for data', or ''
+    when the wait was not timed."""
+    if fraction is None:
+        return ""
     if fraction > INPUT_BOUND:
-        return f"input-bound: waited {100 * fraction:.0f}% of the time for data"
-    return f"input wait {100 * fraction:.0f}%"
+        return f"  input-bound: waited {100 * fraction:.0f}% of the time for data"
+    return f"  input wait {100 * fraction:.0f}%"
 
 
 def peak_memory_bytes() -> int:

@@ -22,16 +22,21 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from data import augment, files, sources  # noqa: E402
-from trainer import checkpoints, main as main_lib  # noqa: E402
+from trainer import checkpoints, inputs, main as main_lib  # noqa: E402
 from trainer.serving import inference  # noqa: E402
 from trainer.settings import message_of  # noqa: E402
 
 FLAGS = flags.FLAGS
 
 
-def _to_model_size(images: tf.Tensor, size: int) -> tf.Tensor:
-    """uint8 [N, H, W, 3] -> uint8 [N, size, size, 3], resized as in evaluation
-    (data.augment.make_resize) and untouched when already that size."""
+def _to_model_size(images: tf.Tensor, size: int, central: bool = False) -> tf.Tensor:
+    """uint8 [N, H, W, 3] -> uint8 [N, size, size, 3], as in evaluation: resized
+    (data.augment.make_resize) and untouched when already that size, or (central)
+    the central 224/256 crop resized, as ImageNet-style runs are evaluated."""
+    if central:
+        box = augment.central_box(tf.shape(images)[1:3])
+        cropped = images[:, box[0]:box[0] + box[2], box[1]:box[1] + box[3]]
+        return tf.ensure_shape(augment.resized_uint8(cropped, size), [None, size, size, 3])
     same = tf.reduce_all(tf.equal(tf.shape(images)[1:3], [size, size]))
     resized = tf.cond(same, lambda: images,
                       lambda: augment.make_resize(size)(images, None)[0])
@@ -41,13 +46,14 @@ def _to_model_size(images: tf.Tensor, size: int) -> tf.Tensor:
 def serving_functions(trained: inference.TrainedModel) -> dict:
     """name -> (function, input signature) for the SavedModel."""
     size, task, model = trained.image_size, trained.task, trained.model
+    central = inputs.central_crop(trained.config, trained.spec)
 
     def predict_images(images):
-        return task.serve_images(model, _to_model_size(images, size))
+        return task.serve_images(model, _to_model_size(images, size, central))
 
     def decode_one(data):
         image = tf.io.decode_image(data, channels=3, expand_animations=False)
-        return _to_model_size(image[None], size)[0]
+        return _to_model_size(image[None], size, central)[0]
 
     def serve_bytes(image_bytes):
         images = tf.map_fn(decode_one, image_bytes,

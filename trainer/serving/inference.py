@@ -54,7 +54,8 @@ class TrainedModel:
     def serve(self, images: list) -> dict[str, np.ndarray]:
         """The task's serving outputs (e.g. class probabilities) for images of any
         size, resized and normalized as evaluation does."""
-        batch = np.stack([inputs.resize_uint8(image, self.image_size) for image in images])
+        batch = np.stack([inputs.eval_image(self.config, self.spec, image)
+                          for image in images])
         return {key: np.asarray(value)
                 for key, value in self.task.serve_images(self.model, batch).items()}
 

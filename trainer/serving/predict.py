@@ -81,7 +81,7 @@ def run(args: Options) -> list[str]:
     for row, (title, image, example, stem) in enumerate(items):
         lines += trained.task.report(
             {key: value[row] for key, value in served.items()}, title,
-            inputs.resize_uint8(image, trained.image_size), example,
+            inputs.eval_image(trained.config, trained.spec, image), example,
             os.path.join(output_dir, stem), top=args.top or 5)
     return lines
 
