@@ -57,3 +57,19 @@ def test_the_resnet50_recipe_scales_its_learning_rate_with_the_batch():
     assert resolved["learning_rate"] == pytest.approx(0.2) and resolved["batch_size"] == 512
     assert recipes.resolve({**values, "learning_rate": 0.5},
                            {"learning_rate"})[0]["learning_rate"] == 0.5
+
+
+def test_resnet50_starts_each_block_as_the_identity_and_strides_in_the_3x3():
+    import models
+    model = models.entry("resnet50").builder(num_classes=10, input_shape=(64, 64, 3), tiny=True)
+    last = [layer for layer in model.layers if layer.name.endswith("_3_bn")]
+    assert len(last) == 4 and all(not layer.gamma.numpy().any() for layer in last)
+    others = [layer for layer in model.layers
+              if layer.name.endswith("_bn") and layer not in last]
+    assert others and all((layer.gamma.numpy() == 1).all() for layer in others)
+    strided = [layer.name for layer in model.layers
+               if getattr(layer, "strides", (1, 1)) == (2, 2) and "conv" in layer.name]
+    assert "stage3_block1_2_conv" in strided and "stage3_block1_1_conv" not in strided  # v1.5
+    full = models.entry("resnet50").builder(num_classes=1000)
+    trainable = sum(int(w.numpy().size) for w in full.trainable_weights)
+    assert trainable == 25_557_032  # torchvision's ResNet-50, parameter for parameter

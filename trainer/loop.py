@@ -69,6 +69,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     sigterm: the command's watcher (installed before this is called), else one
     installed for the training steps."""
     sigterm = sigterm or faults.SigtermWatcher()
+    since_start = progress_lib.Stopwatch()  # for the time to the first step
     # --- Devices, precision, seeds --------------------------------------------------
     runtime = strategy_lib.create(config.strategy, config.tpu, config.require_tpu,
                                   config.cpu_replicas)
@@ -207,6 +208,9 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                              "tab; python -m trainer.tools.profile_summary --logdir=%s)",
                              profile[0], profile[1], os.path.join(config.model_dir, "train"),
                              config.model_dir)
+            if current == start_step:  # what start-up costs: building, caching, tracing
+                logging.info("Steps %d-%d done %.1f s after the start", current + 1, stop,
+                             since_start.elapsed())
             skipped = progress.add(sums, stop - current, watch.seconds)
             if skipped and config.on_nan == "stop":
                 raise faults.TrainingDivergedError(
