@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 from trainer import cli
 
-cli.set_native_log_level(sys.argv)  # before TensorFlow starts
+cli.set_deterministic_kernels(sys.argv)  # before TensorFlow starts
+cli.set_native_log_level(sys.argv)
 
 from absl import app, flags, logging  # noqa: E402
 

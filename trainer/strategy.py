@@ -151,7 +151,8 @@ def resolve_precision(precision: str, device_kind: str,
         return precision
     if deterministic and device_kind == "cpu":
         logging.info("--deterministic: float32 on the CPU (bf16 kernels here are not "
-                     "bitwise reproducible)")
+                     "bitwise reproducible)%s", "; TensorFlow's kernels, not oneDNN's"
+                     if os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0" else "")
         return "float32"
     if device_kind == "tpu":
         return "mixed_bfloat16"
