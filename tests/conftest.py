@@ -105,3 +105,17 @@ def run(capsys, caplog):
         log = "\n".join(record.getMessage() for record in caplog.records)
         return status, log + "\n" + capsys.readouterr().err
     return run
+
+
+@pytest.fixture(scope="session")
+def generated_records(tmp_path_factory) -> str:
+    """A streamable dataset: 2,048 generated 32x32 JPEGs (10 classes) in 8 TFRecord
+    files and 256 validation ones in 2 (python -m data.make_tfrecords
+    --source=generated); returns its --dataset name."""
+    from data import make_tfrecords
+    root = tmp_path_factory.mktemp("generated")
+    for split, count, shards, seed in (("train", 2048, 8, 0), ("validation", 256, 2, 1)):
+        make_tfrecords.write("generated", str(root / split / "gen"), 32, shards, None,
+                             generated=make_tfrecords.Generated(num_examples=count,
+                                                                classes=10, seed=seed))
+    return f"tfrecord:{root}/train/gen*.tfrec;eval={root}/validation/gen*.tfrec"

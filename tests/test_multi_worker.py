@@ -86,11 +86,13 @@ def test_a_dead_worker_stops_the_others(tmp_path):
 
 
 @pytest.mark.long(100)  # seconds, with -n 2
-def test_a_kill_of_a_random_worker_ends_bitwise_like_no_kill(tmp_path):
+def test_a_kill_of_a_random_worker_ends_bitwise_like_no_kill(tmp_path, generated_records):
     """The short version of `trainer.tools.kill_resume` (BUILD.md runs it on real
-    CIFAR-10 with five kills): a kill at a random moment of a random worker."""
+    CIFAR-10 with five kills): a kill at a random moment of a random worker. The
+    data streams from 8 files (--cache=none), each worker reading its own 4."""
     from trainer.tools import kill_resume
-    args = ["--model=cifar_cnn", "--model_size=tiny", "--dataset=synthetic",
+    args = ["--model=cifar_cnn", "--model_size=tiny", f"--dataset={generated_records}",
+            "--cache=none",
             "--batch_size=64", "--train_steps=160", "--steps_per_loop=1",
             "--checkpoint_every=10", "--eval_every=160", "--deterministic",
             "--shuffle_buffer=1024", "--mixup_alpha=0.2", "--cutmix_alpha=1.0"]

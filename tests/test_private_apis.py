@@ -65,3 +65,18 @@ def test_flatten_layers_reaches_a_layer_inside_a_nested_model():
     assert layers.needs_data(outer)
     assert layers.init_from_data(outer, np.random.rand(16, 8, 8, 3).astype(np.float32)) == [
         "whiten"]
+
+
+def test_is_op_determinism_enabled_follows_enable_op_determinism():
+    """trainer/distributed.py: tensorflow.python.framework.config
+    .is_op_determinism_enabled() decides whether the train loop may time its input
+    (timestamps fail under op determinism); run in a fresh process, since enabling
+    it is for the whole process."""
+    import subprocess
+    import sys
+    code = ("import tensorflow as tf; from trainer import distributed as d; "
+            "before = d.determinism_enabled(); tf.config.experimental.enable_op_determinism(); "
+            "print(before, d.determinism_enabled())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=__file__.rsplit("/tests/", 1)[0])
+    assert out.stdout.split() == ["False", "True"], out.stderr[-1000:]

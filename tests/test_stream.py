@@ -221,3 +221,35 @@ def test_the_train_loop_times_the_wait_for_a_slow_input_and_the_log_says_input_b
     sums, _ = untimed(iter(strategy.experimental_distribute_dataset(fast)), tf.constant(2),
                       tf.constant(0.0))
     assert float(sums[distributed.INPUT_WAIT][1]) == 0  # not timed: the log says nothing
+
+
+def test_a_streamed_run_stopped_and_resumed_ends_with_the_straight_runs_weights(
+        tiny_config, generated_records, monkeypatch):
+    """One replica, through trainer.loop: 24 steps of 128 over 2,048 streamed
+    examples (1.5 epochs), stopped after step 12 (checkpoint at 12), resumed from
+    it: the resumed stream skips whole windows and ends with bitwise the straight
+    run's weights. (Two replicas and two workers: kill -9 in test_faults.py and
+    test_multi_worker.py.)"""
+    from trainer import loop
+    from trainer.output import progress
+    config = tiny_config.replace(dataset=generated_records, cache="none", batch_size=128,
+                                 train_steps=24, checkpoint_every=12, eval_every=24,
+                                 log_every=12, steps_per_loop=4, shuffle_buffer=300,
+                                 deterministic=True)
+    straight = loop.train_and_evaluate(config)
+    assert straight["test_examples"] == 256
+    config = config.replace(model_dir=config.model_dir + "_stopped")
+    original_show = progress.Progress.show
+
+    def stopped_after_step_16(self, at_step, learning_rate):
+        if at_step == 16:
+            raise KeyboardInterrupt
+        original_show(self, at_step, learning_rate)
+
+    monkeypatch.setattr(progress.Progress, "show", stopped_after_step_16)
+    with pytest.raises(KeyboardInterrupt):
+        loop.train_and_evaluate(config)
+    monkeypatch.setattr(progress.Progress, "show", original_show)
+    resumed = loop.train_and_evaluate(config)
+    assert resumed["resumed_from_step"] == 12
+    assert resumed["weights_sha256"] == straight["weights_sha256"]

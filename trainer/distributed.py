@@ -109,17 +109,27 @@ def _maybe_jit(replica_fn: Callable, jit_compile: bool) -> Callable:
     return tf.function(replica_fn, jit_compile=True) if jit_compile else replica_fn
 
 
+def determinism_enabled() -> bool:
+    """Whether tf.config.experimental.enable_op_determinism() was called in this
+    process (TensorFlow has no public getter; tests/test_private_apis.py checks it)."""
+    from tensorflow.python.framework import config as tf_config
+    return tf_config.is_op_determinism_enabled()
+
+
 def make_train_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
-                    jit_compile: bool = False, time_input: bool = True) -> Callable:
+                    jit_compile: bool = False, time_input: bool | None = None) -> Callable:
     """Returns train_loop(iterator, num_steps, stop_flag) -> (sums, stop_requested);
     sums[INPUT_WAIT] is (seconds the steps waited for their input, steps), or (0, 0)
-    with time_input=False (TensorFlow refuses timestamps under op determinism).
+    with time_input=False, the default under op determinism (which refuses
+    timestamps; it is process-wide once enabled).
 
     stop_flag (a float tensor, 1.0 after SIGTERM on this worker) is summed across
     workers, so a stop request on any worker reaches every worker and all of them
     stop at the same step (a worker stopping alone would hang the others).
     """
     replica_fn = _maybe_jit(replica_fn, jit_compile)
+    if time_input is None:
+        time_input = not determinism_enabled()
 
     @tf.function
     def train_loop(iterator, num_steps: tf.Tensor, stop_flag: tf.Tensor):
