@@ -44,7 +44,7 @@ FLAGS = flags.FLAGS
 class Case:
     key: str             # for --cases
     name: str
-    runner: str          # "ours" | "fit"
+    runner: str          # "ours" | "fit" | "input" (the pipeline alone, no step)
     precision: str
     jit: bool
     steps_per_loop: int = 10
@@ -77,8 +77,15 @@ class Runner:
                         batch_size=self.batch, data_dir=args.data_dir, optimizer="adam",
                         learning_rate=1e-3, train_steps=args.steps,
                         cache="none" if case.data == "stream" else "memory")
+        self.loop = None
         self.waited = 0.0  # seconds the timed steps waited for their input
-        if case.runner == "fit":
+        if case.runner == "input":  # how fast the streaming pipeline alone can feed
+            _, train_examples = sources.load(spec, spec.train_split, args.data_dir)
+            mode, record_files, _ = inputs.choose_mode(config, spec, train_examples)
+            self.iterator = iter(inputs.train_input_fn(
+                config, spec, train_examples, mode=mode, files=record_files)(
+                    tf.distribute.InputContext()))
+        elif case.runner == "fit":
             with strategy.scope():
                 task = build.make_task(config, spec)
                 self.model = build.build_model(config, spec, task)
@@ -105,6 +112,10 @@ class Runner:
 
     def run(self, steps: int) -> float:
         start = time.perf_counter()
+        if self.case.runner == "input":  # timed over 10x the steps: else the batches
+            for _ in range(10 * steps):   # prefetched between rounds are most of it
+                next(self.iterator)["label"].numpy()
+            return (time.perf_counter() - start) / 10
         if self.case.runner == "fit":
             timer = _StepTimer()
             self.model.fit(self.dataset, steps_per_epoch=steps, epochs=1, verbose=0,
@@ -133,7 +144,7 @@ class _StepTimer(keras.callbacks.Callback):
         self.end = time.perf_counter()
 
 
-CASE_KEYS = ("ours", "fit", "pipeline", "stream", "loop1", "precision", "xla")
+CASE_KEYS = ("ours", "fit", "pipeline", "stream", "input", "loop1", "precision", "xla")
 
 
 def cases(precision: str, jit: bool, steps_per_loop: int,
@@ -147,6 +158,8 @@ def cases(precision: str, jit: bool, steps_per_loop: int,
              steps_per_loop, "pipeline"),
         Case("stream", "ours, streaming input pipeline", "ours", precision, jit,
              steps_per_loop, "stream"),
+        Case("input", "streaming input alone, no step", "input", precision, jit,
+             steps_per_loop, "stream"),
         Case("loop1", "ours, steps_per_loop=1", "ours", precision, jit, 1),
         Case("precision", f"ours, {other}", "ours", other, jit, steps_per_loop),
         Case("xla", f"ours, XLA {'off' if jit else 'on'}", "ours", precision, not jit,
@@ -156,8 +169,10 @@ def cases(precision: str, jit: bool, steps_per_loop: int,
 
 
 def runnable(chosen: list[Case], replicas: int) -> list[Case]:
-    """XLA steps fail on several logical CPU devices (trainer.strategy.resolve_jit)."""
-    return [case for case in chosen if not (case.jit and replicas > 1)]
+    """XLA steps fail on several logical CPU devices (trainer.strategy.resolve_jit);
+    the input alone is one pipeline (one replica's)."""
+    return [case for case in chosen if not (case.jit and replicas > 1)
+            and not (case.runner == "input" and replicas > 1)]
 
 
 def measure(args) -> dict:
@@ -205,14 +220,14 @@ def markdown(result: dict) -> str:
              "", "| case | precision | XLA | steps/loop | img/s | vs ours | GFLOP/s | "
              "of peak | input wait |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in result["rows"]:
+        step = row["runner"] != "input"  # the input alone has no FLOPs
+        flops = (f"{row['achieved_flops'] / 1e9:.0f} | {100 * row['fraction_of_peak']:.0f}%"
+                 if step else "- | -")
         lines.append(f"| {row['name']} | {row['precision']} | "
                      f"{'on' if row['jit'] else 'off'} | "
                      f"{row['steps_per_loop'] if row['runner'] == 'ours' else '-'} | "
                      f"{row['images_per_second']:,.0f} | "
-                     f"{row['images_per_second'] / base:.2f} | "
-                     f"{row['achieved_flops'] / 1e9:.0f} | "
-                     f"{100 * row['fraction_of_peak']:.0f}% | "
-                     f"{_wait(row)} |")
+                     f"{row['images_per_second'] / base:.2f} | {flops} | {_wait(row)} |")
     return "\n".join(lines)
 
 
