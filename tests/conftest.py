@@ -119,3 +119,22 @@ def generated_records(tmp_path_factory) -> str:
                              generated=make_tfrecords.Generated(num_examples=count,
                                                                 classes=10, seed=seed))
     return f"tfrecord:{root}/train/gen*.tfrec;eval={root}/validation/gen*.tfrec"
+
+
+def stopped_then_resumed(config, monkeypatch, at_step: int) -> dict:
+    """trainer.loop's run of `config` stopped (a KeyboardInterrupt) when the loop
+    returns to Python at `at_step`, then run again: the resumed run's metrics."""
+    from trainer import loop
+    from trainer.output import progress
+    original_show = progress.Progress.show
+
+    def stopped(self, step, learning_rate):
+        if step == at_step:
+            raise KeyboardInterrupt
+        original_show(self, step, learning_rate)
+
+    monkeypatch.setattr(progress.Progress, "show", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        loop.train_and_evaluate(config)
+    monkeypatch.setattr(progress.Progress, "show", original_show)
+    return loop.train_and_evaluate(config)

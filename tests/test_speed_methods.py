@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import CPUS, mirrored, classification
+from conftest import CPUS, mirrored, classification, stopped_then_resumed
 import models
 from data import augment, pipeline
 from models.layers import Dirac, PatchWhitening
@@ -289,7 +289,6 @@ def test_airbench_logs_flops_profiles_and_resumes_bitwise_after_a_kill(
     measuring the peak change nothing."""
     import logging
     from trainer import loop
-    from trainer.output import progress
     from trainer.tools import profile_summary
     from trainer import flops
     real_peak = flops.peak_flops  # a smaller matmul: the peak's use, not its value
@@ -321,18 +320,7 @@ def test_airbench_logs_flops_profiles_and_resumes_bitwise_after_a_kill(
                                rtol=1e-4, atol=1e-4)
 
     config = _airbench_config(tiny_config, model_dir=tiny_config.model_dir + "_killed")
-    original_show = progress.Progress.show
-
-    def killed_at_step_6(self, at_step, learning_rate):
-        if at_step == 6:
-            raise KeyboardInterrupt
-        original_show(self, at_step, learning_rate)
-
-    monkeypatch.setattr(progress.Progress, "show", killed_at_step_6)
-    with pytest.raises(KeyboardInterrupt):
-        loop.train_and_evaluate(config)
-    monkeypatch.setattr(progress.Progress, "show", original_show)
-    resumed = loop.train_and_evaluate(config)
+    resumed = stopped_then_resumed(config, monkeypatch, at_step=6)
     assert resumed["resumed_from_step"] == 4
     assert resumed["weights_sha256"] == straight["weights_sha256"]
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import stopped_then_resumed
 from data import augment, pipeline, sources, stream, tfrecords
 
 SIZE = 24
@@ -231,7 +232,6 @@ def test_a_streamed_run_stopped_and_resumed_ends_with_the_straight_runs_weights(
     run's weights. (Two replicas and two workers: kill -9 in test_faults.py and
     test_multi_worker.py.)"""
     from trainer import loop
-    from trainer.output import progress
     config = tiny_config.replace(dataset=generated_records, cache="none", batch_size=128,
                                  train_steps=24, checkpoint_every=12, eval_every=24,
                                  log_every=12, steps_per_loop=4, shuffle_buffer=300,
@@ -239,17 +239,6 @@ def test_a_streamed_run_stopped_and_resumed_ends_with_the_straight_runs_weights(
     straight = loop.train_and_evaluate(config)
     assert straight["test_examples"] == 256
     config = config.replace(model_dir=config.model_dir + "_stopped")
-    original_show = progress.Progress.show
-
-    def stopped_after_step_16(self, at_step, learning_rate):
-        if at_step == 16:
-            raise KeyboardInterrupt
-        original_show(self, at_step, learning_rate)
-
-    monkeypatch.setattr(progress.Progress, "show", stopped_after_step_16)
-    with pytest.raises(KeyboardInterrupt):
-        loop.train_and_evaluate(config)
-    monkeypatch.setattr(progress.Progress, "show", original_show)
-    resumed = loop.train_and_evaluate(config)
+    resumed = stopped_then_resumed(config, monkeypatch, at_step=16)
     assert resumed["resumed_from_step"] == 12
     assert resumed["weights_sha256"] == straight["weights_sha256"]
