@@ -77,7 +77,8 @@ class Evaluator:
                                     else {}))
         self.eval_loop = distributed.make_eval_loop(strategy, run.eval_step)
         self.eval_dataset = strategy.distribute_datasets_from_function(
-            inputs.eval_input_fn(config, spec))
+            inputs.eval_input_fn(config, spec, cache=inputs.choose_mode(
+                config, spec, self.plan.train_examples)[0] == inputs.MEMORY_MODE))
 
     def evaluate(self, checkpoint_path: str) -> dict:
         """The metrics of one checkpoint (ckpt-N: the step N)."""

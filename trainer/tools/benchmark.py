@@ -168,11 +168,13 @@ def cases(precision: str, jit: bool, steps_per_loop: int,
     return [case for case in every if case.key == "ours" or case.key in keys]
 
 
-def runnable(chosen: list[Case], replicas: int) -> list[Case]:
+def runnable(chosen: list[Case], replicas: int, streamable: bool = True) -> list[Case]:
     """XLA steps fail on several logical CPU devices (trainer.strategy.resolve_jit);
-    the input alone is one pipeline (one replica's)."""
+    the input alone is one pipeline (one replica's); data without record files
+    (generated, mocked) cannot stream."""
     return [case for case in chosen if not (case.jit and replicas > 1)
-            and not (case.runner == "input" and replicas > 1)]
+            and not (case.runner == "input" and replicas > 1)
+            and (streamable or case.data != "stream")]
 
 
 def measure(args) -> dict:
@@ -181,7 +183,9 @@ def measure(args) -> dict:
     shape = (size, size, spec.image_shape[2])
     precision = strategy_lib.resolve_precision(args.precision, "cpu")
     chosen = cases(precision, args.jit_compile == "true", args.steps_per_loop, args.cases)
-    runners = [Runner(c, args, spec, shape) for c in runnable(chosen, len(args.devices))]
+    streamable = sources.record_files(spec, spec.train_split, args.data_dir) is not None
+    runners = [Runner(c, args, spec, shape)
+               for c in runnable(chosen, len(args.devices), streamable)]
     for runner in runners:  # trace, fill caches and warm up before timing
         runner.run(max(2, runner.case.steps_per_loop))
     seconds = {r.case.name: [] for r in runners}
