@@ -31,6 +31,10 @@ from data.sources import RecordFiles, in_holdout
 
 AUTOTUNE = tf.data.AUTOTUNE
 CYCLE_LENGTH = 16  # files read at once
+# tf.data's autotuner may grow its buffers up to half of the machine's memory when
+# the step is slow (a benchmark of a slow model grew to 6.6 GB); the stream keeps
+# them to this.
+RAM_BUDGET = 1 << 30
 
 
 def worker_share(files: RecordFiles, pipelines: int, worker: int
@@ -150,8 +154,11 @@ def make_train_stream(files: RecordFiles, context: tf.distribute.InputContext,
     ds = tf.data.Dataset.range(start_epoch, 2**62).flat_map(one_epoch)
     if end_step is not None:  # finite, as make_train (threads end with the last batch)
         ds = ds.take((end_step - start_step) * per_step)
-    return pipeline.augment_and_prefetch(ds, pipeline_seed, augment, normalize, mix,
-                                         alternating_flip)
+    ds = pipeline.augment_and_prefetch(ds, pipeline_seed, augment, normalize, mix,
+                                       alternating_flip)
+    options = tf.data.Options()
+    options.autotune.ram_budget = RAM_BUDGET
+    return ds.with_options(options)
 
 
 def decoded_bytes(examples: int, image_shape: tuple[int, int, int]) -> int:
