@@ -44,7 +44,7 @@ def build(num_classes: int = 1000, input_shape: tuple[int, int, int] = (224, 224
     """Args: blocks: bottleneck blocks per stage; width: the first stage's
     bottleneck width (its output is 4x)."""
     if tiny:
-        blocks, width = (1, 1, 1, 1), 8
+        blocks, width = (1, 1, 1, 1), 4
     inputs = keras.Input(shape=input_shape, name="image")
     x = layers.Activation("relu")(_conv_bn(inputs, width, 7, 2, name="stem"))
     x = layers.MaxPooling2D(3, strides=2, padding="same")(x)

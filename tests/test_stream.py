@@ -182,9 +182,20 @@ def test_the_central_crop_is_deterministic_and_is_the_centre():
     assert np.abs(from_jpeg - image.numpy()[16:240, 48:272]).mean() < 3  # JPEG's loss
 
 
-def test_the_train_loop_times_the_wait_for_a_slow_input_and_the_log_says_input_bound(
-        caplog):
-    import logging
+def test_the_train_loop_times_the_wait_for_a_slow_input_and_the_log_says_input_bound():
+    """In a fresh process: op determinism, which an earlier test in this one may
+    have enabled (it is process-wide), forbids the timestamps."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.path.insert(0, 'tests'); import test_stream; "
+            "test_stream.check_the_loop_times_a_slow_input(); print('checked')")
+    root = __file__.rsplit("/tests/", 1)[0]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=root)
+    assert out.stdout.strip().endswith("checked"), out.stderr[-3000:]
+
+
+def check_the_loop_times_a_slow_input():
     import time
     from trainer import distributed
     from trainer.output import progress as progress_lib
@@ -199,7 +210,7 @@ def test_the_train_loop_times_the_wait_for_a_slow_input_and_the_log_says_input_b
     slow = tf.data.Dataset.range(100).map(lambda i: tf.py_function(
         lambda: time.sleep(0.03) or np.float32(1.0), [], tf.float32)).batch(4)
     fast = tf.data.Dataset.from_tensors(tf.ones([4])).repeat()
-    fractions = []
+    fractions, lines = [], []
     for dataset in (slow, fast):
         loop = distributed.make_train_loop(strategy, step)
         iterator = iter(strategy.experimental_distribute_dataset(dataset))
@@ -211,13 +222,13 @@ def test_the_train_loop_times_the_wait_for_a_slow_input_and_the_log_says_input_b
         progress.add(sums, 10, time.perf_counter() - started)
         assert sums[distributed.INPUT_WAIT][1] == 10  # timed, per step
         fractions.append(progress.input_wait_fraction())
-        with caplog.at_level(logging.INFO, logger="absl"):
+        with _captured_log() as messages:
             record = progress.log(10, 0.1)
+        lines.extend(message for message in messages if "step 10/20" in message)
         assert record["input_wait_fraction"] == pytest.approx(fractions[-1])
     # (ratios, not times: the slow input sleeps 0.12 s a batch, the step takes ~5 ms)
     assert fractions[0] > 0.6 and fractions[1] < fractions[0] / 3, fractions
-    lines = [r.getMessage() for r in caplog.records if "step 10/20" in r.getMessage()]
-    assert "input-bound: waited" in lines[0] and "input" in lines[1]
+    assert "input-bound: waited" in lines[0] and "input" in lines[1], lines
     untimed = distributed.make_train_loop(strategy, step, time_input=False)
     sums, _ = untimed(iter(strategy.experimental_distribute_dataset(fast)), tf.constant(2),
                       tf.constant(0.0))
@@ -242,3 +253,22 @@ def test_a_streamed_run_stopped_and_resumed_ends_with_the_straight_runs_weights(
     resumed = stopped_then_resumed(config, monkeypatch, at_step=16)
     assert resumed["resumed_from_step"] == 12
     assert resumed["weights_sha256"] == straight["weights_sha256"]
+
+
+class _captured_log:
+    """The absl log's messages while inside (outside pytest's caplog)."""
+
+    def __enter__(self) -> list:
+        import logging
+        self.messages: list[str] = []
+        self.handler = logging.Handler()
+        self.handler.emit = lambda record: self.messages.append(record.getMessage())
+        self.logger = logging.getLogger("absl")
+        self.logger.addHandler(self.handler)
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        return self.messages
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
