@@ -106,17 +106,16 @@ def test_no_readable_checkpoint_is_a_one_line_error(tiny_config):
 
 
 @pytest.mark.long(23)  # seconds, with -n 2
-def test_a_save_that_fails_leaves_no_temp_and_names_the_last_good_one(tmp_path):
+def test_a_save_that_fails_leaves_no_temp_and_names_the_last_good_one(tmp_path, run):
     import resource
     import subprocess
     import sys
     from test_main import ROOT, TINY
     model_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "trainer.main", *TINY, "--steps_per_loop=1",
-            "--checkpoint_every=2", f"--model_dir={model_dir}"]
-    first = subprocess.run([*args, "--train_steps=2"], cwd=ROOT, capture_output=True,
-                           text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-2000:]
+    flags = [*TINY, "--steps_per_loop=1", "--checkpoint_every=2", f"--model_dir={model_dir}"]
+    status, log = run(*flags, "--train_steps=2")  # in this process; the failing one not
+    assert status == 0, log[-2000:]
+    args = [sys.executable, "-m", "trainer.main", *flags]
     good = {name: (model_dir / name).read_bytes() for name in os.listdir(model_dir)
             if name.startswith("ckpt-2")}
 

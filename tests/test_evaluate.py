@@ -9,7 +9,7 @@ import time
 import pytest
 
 from test_main import ROOT, TINY
-from trainer import evaluate, loop
+from trainer import evaluate, loop, main as main_lib
 
 
 def _files(directory: str) -> dict[str, bytes]:
@@ -45,16 +45,21 @@ def test_best_weights_are_kept_with_their_step(tiny_config):
     assert os.path.exists(os.path.join(tiny_config.model_dir, "best.weights.h5"))
 
 
-def test_no_checkpoint_is_a_one_line_error(tiny_config):
+def test_no_checkpoint_is_a_one_line_error(tiny_config, capsys):
     loop.train_and_evaluate(tiny_config.replace(train_steps=2))  # in-process: quicker
     for name in os.listdir(tiny_config.model_dir):
         if name.startswith("ckpt") or name == "checkpoint":
             os.remove(os.path.join(tiny_config.model_dir, name))
-    result = subprocess.run([sys.executable, "-m", "trainer.evaluate",
-                             f"--model_dir={tiny_config.model_dir}"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith("error: no checkpoint in")
+    capsys.readouterr()
+    from absl.testing import flagsaver
+    evaluate.define_flags()
+    with flagsaver.flagsaver(), pytest.raises(SystemExit) as exit_:  # the command's own
+        main_lib.parse_flags(["trainer.evaluate",  # parsing and main, in this process
+                              f"--model_dir={tiny_config.model_dir}"])
+        evaluate.main(["trainer.evaluate"])
+    assert exit_.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.strip().splitlines()[-1].startswith("error: no checkpoint in")
 
 
 def test_watch_follows_a_running_training_to_its_end(tmp_path):

@@ -89,17 +89,17 @@ def test_skip_step_keeps_schedule_and_data_position_together(tmp_path):
 
 
 @pytest.mark.long(20)  # seconds, with -n 2
-def test_diverging_run_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path):
+def test_diverging_run_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path, run):
     model_dir = str(tmp_path / "run")
-    ok = _main(*TINY, f"--model_dir={model_dir}", "--checkpoint_every=2", "--optimizer=sgd",
-               "--momentum=0")
-    assert ok.returncode == 0, ok.stderr[-2000:]
+    status, log = run(*TINY, f"--model_dir={model_dir}", "--checkpoint_every=2",
+                      "--optimizer=sgd", "--momentum=0")
+    assert status == 0, log[-2000:]
     files = {f: os.path.getmtime(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
              if f.startswith("ckpt-4")}
-    diverged = _main(*TINY, f"--model_dir={model_dir}", "--train_steps=40",
-                     "--learning_rate=1e12", "--optimizer=sgd", "--momentum=0")
-    assert diverged.returncode == 3, diverged.stderr[-2000:]
-    errors = [line for line in diverged.stderr.splitlines() if line.startswith("error:")]
+    status, log = run(*TINY, f"--model_dir={model_dir}", "--train_steps=40",
+                      "--learning_rate=1e12", "--optimizer=sgd", "--momentum=0")
+    assert status == 3, log[-2000:]
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: non-finite loss or gradient")
     assert "is kept" in errors[0]
     for name, mtime in files.items():  # the last good checkpoint is untouched

@@ -3,8 +3,10 @@ quiet TensorFlow start-up and a quiet default log (`--verbosity=1` shows all).
 The flags themselves are parsed by each command (helpers in trainer/main.py)."""
 import logging as std_logging
 import os
+import sys
+from typing import Any, Callable
 
-from absl import logging
+from absl import flags, logging
 
 # Moved to data/ (data.make_tfrecords needs them and must not import trainer/);
 # the commands keep calling cli.set_native_log_level.
@@ -46,3 +48,34 @@ def quiet_library_logs(verbosity: int) -> None:
     handler = logging.get_absl_handler()
     if not any(isinstance(f, _QuietFilter) for f in handler.filters):
         handler.addFilter(_QuietFilter())
+
+
+def define_flag(flag_values: flags.FlagValues, definer: Callable, name: str,
+                default: Any, help: str, **kwargs: Any) -> bool:  # noqa: A002
+    """Defines one flag unless `flag_values` has one of that name (commands share
+    names such as --model_dir, and tests load several commands in one process).
+    The flag belongs to the calling command (--helpshort). Returns whether it was
+    defined."""
+    if name in flag_values:
+        return False
+    caller = sys._getframe(1).f_globals["__name__"]  # noqa: SLF001
+    definer(name, default, help=help, flag_values=flag_values,
+            module_name=sys.argv[0] if caller == "__main__" else caller, **kwargs)
+    return True
+
+
+def parse_absl_flags(flag_values: flags.FlagValues, argv: list[str]) -> list[str]:
+    """absl's parsing, but an unknown, malformed or missing required flag is one
+    `error: ...` line on stderr and exit status 2, like every other user error;
+    library logs (e.g. TF's SavedModel writer at INFO) only from WARNING unless
+    --verbosity is given, each record once (TF's own stderr handler would repeat
+    what absl's prints). Needs no TensorFlow (the launcher starts without it)."""
+    try:
+        argv = flag_values(argv)
+    except flags.Error as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        sys.exit(2)
+    if not flag_values["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    std_logging.getLogger("tensorflow").handlers.clear()
+    return argv

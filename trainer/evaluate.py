@@ -38,18 +38,18 @@ EVALUATIONS_FILE = "evaluations.json"
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
-    main_lib.define_flag(flag_values, flags.DEFINE_string, "model_dir", None,
-               "The training run's directory (its run_config.json and checkpoints).")
-    main_lib.define_flag(flag_values, flags.DEFINE_string, "checkpoint", None,
-               "A checkpoint path (DIR/ckpt-N); default: the latest in --model_dir.")
-    main_lib.define_flag(flag_values, flags.DEFINE_bool, "watch", False,
-               "Evaluate every new checkpoint as the training job writes it.")
-    main_lib.define_flag(flag_values, flags.DEFINE_integer, "timeout", 600,
-               "--watch: stop after this many seconds without a new checkpoint.")
-    main_lib.define_flag(flag_values, flags.DEFINE_string, "output_dir", None,
-               "Where the evaluator writes (default: <model_dir>/evaluator).")
-    main_lib.define_flag(flag_values, flags.DEFINE_string, "data_dir", None,
-               "TFDS data dir, if not the training run's.")
+    cli.define_flag(flag_values, flags.DEFINE_string, "model_dir", None,
+                    "The training run's directory (its run_config.json and checkpoints).")
+    cli.define_flag(flag_values, flags.DEFINE_string, "checkpoint", None,
+                    "A checkpoint path (DIR/ckpt-N); default: the latest in --model_dir.")
+    cli.define_flag(flag_values, flags.DEFINE_bool, "watch", False,
+                    "Evaluate every new checkpoint as the training job writes it.")
+    cli.define_flag(flag_values, flags.DEFINE_integer, "timeout", 600,
+                    "--watch: stop after this many seconds without a new checkpoint.")
+    cli.define_flag(flag_values, flags.DEFINE_string, "output_dir", None,
+                    "Where the evaluator writes (default: <model_dir>/evaluator).")
+    cli.define_flag(flag_values, flags.DEFINE_string, "data_dir", None,
+                    "TFDS data dir, if not the training run's.")
 
 
 class Evaluator:

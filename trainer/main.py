@@ -12,8 +12,8 @@ preempted by SIGTERM
 """
 import dataclasses
 import logging as std_logging
+import os
 import sys
-from typing import Any, Callable
 
 from trainer import cli
 
@@ -38,42 +38,18 @@ USER_ERRORS = (config_lib.ConfigError, sources.DatasetError, strategy_lib.Device
 
 # --- Flag helpers every command uses ------------------------------------------------
 
-def define_flag(flag_values: flags.FlagValues, definer: Callable, name: str,
-                default: Any, help: str, **kwargs: Any) -> bool:  # noqa: A002
-    """Defines one flag unless `flag_values` has one of that name (commands share
-    names such as --model_dir, and tests load several commands in one process).
-    The flag belongs to the calling command (--helpshort). Returns whether it was
-    defined."""
-    if name in flag_values:
-        return False
-    caller = sys._getframe(1).f_globals["__name__"]  # noqa: SLF001
-    definer(name, default, help=help, flag_values=flag_values,
-            module_name=sys.argv[0] if caller == "__main__" else caller, **kwargs)
-    return True
-
-
 def parse_flags(argv: list[str]) -> list[str]:
     """`app.run`'s flags_parser for every command:
-    - absl's parsing, but an unknown, malformed or missing required flag is one
-      `error: ...` line on stderr and exit status 2, like every other user error;
-    - a float flag that is nan or inf is the same one line (no range check sees it);
-    - library logs (e.g. TF's SavedModel writer at INFO) only from WARNING unless
-      --verbosity is given, each record once (TF's own stderr handler would repeat
-      what absl's prints).
+    - cli.parse_absl_flags: a wrong flag is one `error: ...` line, exit 2; quiet
+      library logs;
+    - a float flag that is nan or inf is the same one line (no range check sees it).
     Returns the arguments left after the flags."""
-    try:
-        argv = FLAGS(argv)
-    except flags.Error as err:
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        sys.exit(2)
+    argv = cli.parse_absl_flags(FLAGS, argv)
     for name, value in FLAGS.flag_values_dict().items():  # nan < 0 is False: every
         problem = config_lib.non_finite(name, value)  # range check would pass it
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             sys.exit(2)
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-    std_logging.getLogger("tensorflow").handlers.clear()
     return argv
 
 
@@ -94,11 +70,11 @@ def define_flags() -> None:
                 float: flags.DEFINE_float, bool: flags.DEFINE_bool}
     for field in _setting_fields():
         kind = type(field.default) if field.default is not None else str
-        define_flag(FLAGS, definers[kind], field.name, field.default,
-                    field.metadata["help"])
-    define_flag(FLAGS, flags.DEFINE_bool, "plot_schedule", False, "Write the "
-                "learning-rate schedule of these settings to <model_dir>/lr_schedule.png "
-                "and exit without training.")
+        cli.define_flag(FLAGS, definers[kind], field.name, field.default,
+                        field.metadata["help"])
+    cli.define_flag(FLAGS, flags.DEFINE_bool, "plot_schedule", False, "Write the "
+                    "learning-rate schedule of these settings to <model_dir>/lr_schedule.png "
+                    "and exit without training.")
 
 
 def config_from_flags(flag_values: flags.FlagValues = FLAGS) -> config_lib.Config:
@@ -113,6 +89,17 @@ def config_from_flags(flag_values: flags.FlagValues = FLAGS) -> config_lib.Confi
             f"{name}={values[name]} ({source})" for name, source in origin.items()
             if name in values))
     return config_lib.validate(config, models.names(), sources.names())
+
+
+def _leave_without_tensorflow_shutdown() -> None:
+    """A non-chief worker whose run is done (the loop's last all-reduce passed, so
+    every worker is done too) exits at once: TensorFlow's own shutdown would wait on
+    the chief's coordination service, which the chief, done too, takes down as it
+    exits: 6 s here, ending in an UNAVAILABLE error line, at every run's end."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    std_logging.shutdown()
+    os._exit(0)
 
 
 def main(argv: list[str]) -> None:
@@ -139,6 +126,8 @@ def main(argv: list[str]) -> None:
             if sigterm.requested:
                 raise faults.Preempted(f"SIGTERM while the final outputs were written "
                                        f"(they are complete) in {config.model_dir}")
+            if not strategy_lib.is_chief_process(config.strategy):
+                _leave_without_tensorflow_shutdown()
     except USER_ERRORS as err:
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)

@@ -14,15 +14,17 @@ RIGHT, WRONG = "#1a7f37", "#cf222e"  # green, red
 
 
 def png_bytes(fig: mpl_figure.Figure, dpi: int = 100) -> bytes:
+    """The figure as PNG. Every figure here lays itself out ("constrained"), so no
+    bbox_inches="tight", which draws the figure twice (0.6 s of 1.2 for summary.png)."""
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
+    fig.savefig(buffer, format="png", dpi=dpi)
     return buffer.getvalue()
 
 
 def schedule(points: list[tuple[int, float]], steps_per_epoch: int,
              title: str = "learning rate") -> mpl_figure.Figure:
     """The learning rate over epochs, from (step, lr) points."""
-    fig = mpl_figure.Figure(figsize=(6, 3.5))
+    fig = mpl_figure.Figure(figsize=(6, 3.5), layout="constrained")
     ax = fig.subplots()
     steps, rates = zip(*points)
     ax.plot(np.array(steps) / steps_per_epoch, rates)

@@ -89,7 +89,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     would fail every later parse of FLAGS in the process."""
     for name, text in (("model_dir", "A finished run's directory."),
                        ("export_dir", "New directory to write the SavedModel to.")):
-        if main_lib.define_flag(flag_values, flags.DEFINE_string, name, None, text):
+        if cli.define_flag(flag_values, flags.DEFINE_string, name, None, text):
             flags.mark_flag_as_required(name, flag_values)
 
 

@@ -90,27 +90,27 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     """predict's flags (also called by tests; defining twice is a no-op). --model,
     --dataset, --model_dir and --data_dir share their names and types with
     trainer.main's: in one process, whichever command defined them first owns them."""
-    main_lib.define_flag(flag_values, flags.DEFINE_string, "model_dir", "", "A finished run's "
-               "directory (default: the one trainer.main trains --task and --model in, "
-               "runs/<model>_<dataset>[_<task>], the dataset being --dataset or the "
-               "recipe's).")
-    main_lib.define_flag(flag_values, flags.DEFINE_string, "model", config_lib.Config().model,
-               "Only to find the default --model_dir.")
-    main_lib.define_flag(flag_values, flags.DEFINE_string, "task", config_lib.Config().task,
-               "Only to find the default --model_dir.")
-    main_lib.define_flag(flag_values, flags.DEFINE_string, "dataset", "", "The dataset of "
-               "--index (default: the run's own).")
-    main_lib.define_flag(flag_values, flags.DEFINE_integer, "index", None, "Classify this "
-               "example of --dataset instead of image files.")
-    main_lib.define_flag(flag_values, flags.DEFINE_string, "split", "", "Split of --index "
-               "(default: the dataset's evaluation split).")
-    main_lib.define_flag(flag_values, flags.DEFINE_string, "data_dir", None, "TFDS data dir for "
-               "--index.")
-    main_lib.define_flag(flag_values, flags.DEFINE_integer, "top", 0, "Classes to print "
-               "(default: up to 5).")
-    main_lib.define_flag(flag_values, flags.DEFINE_string, "output_dir", "", "Where a task "
-               "that makes images (autoencoder) writes them (default: "
-               "<model_dir>/predictions).")
+    cli.define_flag(flag_values, flags.DEFINE_string, "model_dir", "", "A finished run's "
+                    "directory (default: the one trainer.main trains --task and --model in, "
+                    "runs/<model>_<dataset>[_<task>], the dataset being --dataset or the "
+                    "recipe's).")
+    cli.define_flag(flag_values, flags.DEFINE_string, "model", config_lib.Config().model,
+                    "Only to find the default --model_dir.")
+    cli.define_flag(flag_values, flags.DEFINE_string, "task", config_lib.Config().task,
+                    "Only to find the default --model_dir.")
+    cli.define_flag(flag_values, flags.DEFINE_string, "dataset", "", "The dataset of "
+                    "--index (default: the run's own).")
+    cli.define_flag(flag_values, flags.DEFINE_integer, "index", None, "Classify this "
+                    "example of --dataset instead of image files.")
+    cli.define_flag(flag_values, flags.DEFINE_string, "split", "", "Split of --index "
+                    "(default: the dataset's evaluation split).")
+    cli.define_flag(flag_values, flags.DEFINE_string, "data_dir", None, "TFDS data dir for "
+                    "--index.")
+    cli.define_flag(flag_values, flags.DEFINE_integer, "top", 0, "Classes to print "
+                    "(default: up to 5).")
+    cli.define_flag(flag_values, flags.DEFINE_string, "output_dir", "", "Where a task "
+                    "that makes images (autoencoder) writes them (default: "
+                    "<model_dir>/predictions).")
 
 
 def default_model_dir(model: str = "", dataset: str = "",

@@ -99,7 +99,7 @@ def plot(runs: dict[str, dict], path: str, target: float,
          metric: str = "test_accuracy") -> None:
     from data import files
     from trainer.output import figures
-    fig = figures.mpl_figure.Figure(figsize=(7, 4))
+    fig = figures.mpl_figure.Figure(figsize=(7, 4), layout="constrained")
     ax = fig.subplots()
     for name, m in runs.items():
         history = [r for r in m["eval_history"] if metric in r]

@@ -72,15 +72,15 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     """fit_baseline's flags (defining twice is a no-op). All four share their names
     with trainer.main's: run this command on its own, not in a process that defined
     those first (theirs, with other defaults, would be used)."""
-    main_lib.define_flag(flag_values, flags.DEFINE_integer, "epochs", 3, "Epochs to train.",
-               lower_bound=1)
-    main_lib.define_flag(flag_values, flags.DEFINE_integer, "batch_size", 1024, "Global batch "
-               "size.", lower_bound=1)
-    main_lib.define_flag(flag_values, flags.DEFINE_enum, "precision", "float32",
-               "Keras mixed-precision policy.",
-               enum_values=["float32", "mixed_bfloat16", "mixed_float16"])
-    main_lib.define_flag(flag_values, flags.DEFINE_string, "data_dir", None, "TFDS data dir; "
-               "default: $TFDS_DATA_DIR, else the TFDS default.")
+    cli.define_flag(flag_values, flags.DEFINE_integer, "epochs", 3, "Epochs to train.",
+                    lower_bound=1)
+    cli.define_flag(flag_values, flags.DEFINE_integer, "batch_size", 1024, "Global batch "
+                    "size.", lower_bound=1)
+    cli.define_flag(flag_values, flags.DEFINE_enum, "precision", "float32",
+                    "Keras mixed-precision policy.",
+                    enum_values=["float32", "mixed_bfloat16", "mixed_float16"])
+    cli.define_flag(flag_values, flags.DEFINE_string, "data_dir", None, "TFDS data dir; "
+                    "default: $TFDS_DATA_DIR, else the TFDS default.")
 
 
 def main(argv: list[str]) -> None:

@@ -29,22 +29,22 @@ from absl import app, flags
 import tensorflow as tf
 
 from data import files
-from trainer import locks, main as main_lib
+from trainer import cli, locks, main as main_lib
 
 FLAGS = flags.FLAGS
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
-    main_lib.define_flag(flag_values, flags.DEFINE_integer, "workers", 2, "Worker processes.",
-               lower_bound=2)
-    main_lib.define_flag(flag_values, flags.DEFINE_integer, "kills", 5, "Kills before the run "
-               "may finish.", lower_bound=1)
-    main_lib.define_flag(flag_values, flags.DEFINE_string, "work_dir", None, "Empty directory for "
-               "the two runs and their logs.")
-    main_lib.define_flag(flag_values, flags.DEFINE_float, "max_wait", 20.0, "Longest random wait "
-               "after a new checkpoint before a kill, in seconds.")
-    main_lib.define_flag(flag_values, flags.DEFINE_integer, "seed", None, "Seed of the kill "
-               "schedule (default: random; printed).")
+    cli.define_flag(flag_values, flags.DEFINE_integer, "workers", 2, "Worker processes.",
+                    lower_bound=2)
+    cli.define_flag(flag_values, flags.DEFINE_integer, "kills", 5, "Kills before the run "
+                    "may finish.", lower_bound=1)
+    cli.define_flag(flag_values, flags.DEFINE_string, "work_dir", None, "Empty directory for "
+                    "the two runs and their logs.")
+    cli.define_flag(flag_values, flags.DEFINE_float, "max_wait", 20.0, "Longest random wait "
+                    "after a new checkpoint before a kill, in seconds.")
+    cli.define_flag(flag_values, flags.DEFINE_integer, "seed", None, "Seed of the kill "
+                    "schedule (default: random; printed).")
     flags.mark_flag_as_required("work_dir", flag_values)
 
 
@@ -54,6 +54,8 @@ class Kill:
     worker: int
     resumed_from_step: int   # where the segment that was killed had started
     checkpoint_at_kill: int  # the newest checkpoint when the worker died
+    launcher_exit: int = 0   # the launcher's exit status after the kill (4: a worker died)
+    stopped_after: float = 0.0  # seconds from the kill until the launcher had ended
 
 
 def _latest_step(model_dir: str) -> int:
@@ -133,12 +135,15 @@ def run(workers: int, kills: int, work_dir: str, trainer_args: list[str],
                                f"or lower --max_wait (see {log_path})")
         worker = rng.randrange(workers)
         os.kill(pids[worker], signal.SIGKILL)
-        kill = Kill(time.time() - started, worker, start_step, _latest_step(killed))
-        launch.wait(timeout=120)  # the launcher stops the other workers
+        killed_at = time.time()
+        kill = Kill(killed_at - started, worker, start_step, _latest_step(killed))
+        kill.launcher_exit = launch.wait(timeout=120)  # the launcher stops the others
+        kill.stopped_after = time.time() - killed_at
         done.append(kill)
         say(f"kill {segment + 1}: worker {worker} after {kill.seconds_into_segment:.1f} s "
             f"(segment resumed from step {start_step}; newest checkpoint then: step "
-            f"{kill.checkpoint_at_kill})")
+            f"{kill.checkpoint_at_kill}); the launcher stopped the others and exited "
+            f"{kill.launcher_exit} {kill.stopped_after:.1f} s later")
     return done, _sha(reference), _sha(killed)
 
 

@@ -22,7 +22,7 @@ import time
 
 from absl import app, flags
 
-from trainer import main as main_lib
+from trainer import cli  # not trainer.main: the launcher starts without TensorFlow
 
 FLAGS = flags.FLAGS
 GRACE_SECONDS = 10  # SIGTERM first (a checkpoint may be saved), then SIGKILL
@@ -124,8 +124,8 @@ def launch(workers: int, trainer_args: list[str], program: list[str] | None = No
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     """launch's one flag (defining twice is a no-op); trainer.main's flags go after
     `--`, where absl stops parsing."""
-    main_lib.define_flag(flag_values, flags.DEFINE_integer, "workers", 2, "Worker processes.",
-               lower_bound=1)
+    cli.define_flag(flag_values, flags.DEFINE_integer, "workers", 2, "Worker processes.",
+                    lower_bound=1)
 
 
 def _strategy_flag(arg: str) -> bool:
@@ -143,4 +143,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=main_lib.parse_flags)
+    app.run(main, flags_parser=lambda argv: cli.parse_absl_flags(FLAGS, argv))
