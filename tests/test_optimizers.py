@@ -94,3 +94,13 @@ def test_keras_still_sums_in_the_method_the_wrapper_switches_off():
 
     assert one_update(keras.optimizers.SGD) == -2.0  # Keras' own sum over 2 replicas
     assert one_update(optimizers.summed(keras.optimizers.SGD)) == -1.0
+
+
+@pytest.mark.parametrize("decay_vectors", [False, True])
+def test_decay_vectors_decays_biases_too(decay_vectors):
+    kernel, bias = tf.Variable(np.ones((2, 2), np.float32)), tf.Variable(np.ones(2, np.float32))
+    optimizer = optimizers.create("sgd", 0.5, [kernel, bias], weight_decay=0.1,
+                                  momentum=0.0, decay_vectors=decay_vectors)
+    optimizer.apply([tf.zeros_like(kernel), tf.zeros_like(bias)], [kernel, bias])
+    np.testing.assert_allclose(kernel.numpy(), 1 - 0.5 * 0.1)  # decoupled: x (1 - lr wd)
+    np.testing.assert_allclose(bias.numpy(), 1 - 0.5 * 0.1 if decay_vectors else 1.0)

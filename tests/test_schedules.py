@@ -67,3 +67,15 @@ def test_linear_is_the_one_cycle_triangle():
 def test_unknown_schedule_lists_valid_ones():
     with pytest.raises(ValueError, match="valid: constant, exponential, cosine, linear"):
         schedules.WarmupSchedule("onecycle", 1.0, TOTAL, PER_EPOCH)
+
+
+def test_a_warmup_start_of_its_own_leaves_the_floor_to_the_end():
+    # airbench's triangle: from 0.2 x peak up to the peak, then down to the floor.
+    assert _lr("linear", 0, start=0.2) == pytest.approx(0.2)
+    assert _lr("linear", WARMUP // 2, start=0.2) == pytest.approx(0.6)
+    assert _lr("linear", WARMUP, start=0.2) == pytest.approx(1.0)
+    assert _lr("linear", TOTAL, start=0.2) == pytest.approx(0.1)
+    restored = schedules.WarmupSchedule.from_config(schedules.WarmupSchedule(
+        "linear", 1.0, TOTAL, PER_EPOCH, warmup_steps=WARMUP, floor=0.1,
+        start=0.2).get_config())
+    assert float(restored(0)) == pytest.approx(0.2)

@@ -72,7 +72,9 @@ def make_schedule(config: Config, plan: Plan) -> schedules.WarmupSchedule:
         warmup_steps=round(config.warmup_epochs * plan.steps_per_epoch),
         decay_rate=config.lr_decay_rate,
         sustain_steps=round(config.sustain_epochs * plan.steps_per_epoch),
-        floor=config.min_learning_rate)
+        floor=config.min_learning_rate,
+        start=config.warmup_start_factor * config.learning_rate
+        if config.warmup_start_factor > 0 else None)
 
 
 def make_task(config: Config, spec: sources.DatasetSpec) -> tasks.Task:
@@ -110,7 +112,8 @@ def build_optimizer(config: Config,
         optimizer = optimizers.create(config.optimizer, schedule,
                                       model.trainable_variables, config.weight_decay,
                                       config.momentum, precision, config.ema_decay,
-                                      config.lr_multipliers, config.optimizer_options)
+                                      config.lr_multipliers, config.optimizer_options,
+                                      config.decay_vectors)
     except ValueError as err:  # a bad --optimizer_options or --lr_multipliers
         raise ConfigError(str(err)) from err
     if config.lookahead_every:

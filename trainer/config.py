@@ -88,8 +88,12 @@ class Config:
                              "schedules.")
     sustain_epochs: float = _(0.0, "rampup: epochs to hold the peak after warmup.")
     min_learning_rate: float = _(0.0, "Warmup start and floor of the decaying schedules.")
+    warmup_start_factor: float = _(0.0, "If > 0, the warmup starts at this x the peak "
+                                   "instead of --min_learning_rate (airbench: 0.2).")
     weight_decay: float = _(0.0, "Decoupled weight decay (not applied to biases and "
-                            "norm layers).")
+                            "norm layers unless --decay_vectors).")
+    decay_vectors: bool = _(False, "Weight decay on 1-D variables too: biases and "
+                            "batch-norm offsets (airbench decays every trained variable).")
     lr_multipliers: str = _("", "Per-variable learning-rate factors, 'PATTERN=FACTOR,...': "
                             "the first glob matching a trainable variable's path wins "
                             "(e.g. '*/beta=64': batch-norm biases x64, as airbench; "

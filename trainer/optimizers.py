@@ -137,7 +137,8 @@ def lr_multipliers(variables: list, pairs: list[tuple[str, float]]) -> list[floa
 def create(name: str, learning_rate, variables, weight_decay: float = 0.0,
            momentum: float = 0.9, precision: str = "float32",
            ema_decay: float = 0.0, lr_multipliers_text: str = "",
-           options_text: str = "") -> keras.optimizers.Optimizer:
+           options_text: str = "", decay_vectors: bool = False
+           ) -> keras.optimizers.Optimizer:
     """Builds and *builds* the optimizer `name` (any of `names()`; slot variables
     exist before the first step), wrapped by `summed`.
 
@@ -146,7 +147,8 @@ def create(name: str, learning_rate, variables, weight_decay: float = 0.0,
     sgd uses Nesterov momentum `momentum` (override: options_text
     'nesterov=false'); other optimizers take their momentum-like arguments from
     options_text ('beta_1=0.95', ...). Weight decay is decoupled (AdamW style) and
-    skips 1-D variables: biases and batch-norm scales/offsets. ema_decay > 0 keeps
+    skips 1-D variables (biases and batch-norm scales/offsets) unless
+    decay_vectors (airbench decays them too). ema_decay > 0 keeps
     a moving average of the weights (see trainer/averaging.py).
     """
     classes = keras_optimizers()
@@ -164,7 +166,7 @@ def create(name: str, learning_rate, variables, weight_decay: float = 0.0,
     if lr_multipliers_text:
         optimizer.set_lr_multipliers(
             lr_multipliers(variables, parse_lr_multipliers(lr_multipliers_text)))
-    if weight_decay:
+    if weight_decay and not decay_vectors:
         optimizer.exclude_from_weight_decay(var_list=[v for v in variables
                                                       if len(v.shape) <= 1])
     if precision == "mixed_float16":

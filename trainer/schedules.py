@@ -1,7 +1,7 @@
 """Learning-rate schedules as functions of the optimizer step.
 
-Every schedule starts with a linear warmup from `floor` to `peak` over
-`warmup_steps` (none when 0), then:
+Every schedule starts with a linear warmup from `start` (default: `floor`) to
+`peak` over `warmup_steps` (none when 0), then:
 - constant:     peak
 - exponential:  floor + (peak - floor) * decay_rate ** epochs_since_warmup
 - cosine:       floor + (peak - floor) * (1 + cos(pi * progress)) / 2, to the last step
@@ -24,13 +24,14 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
 
     def __init__(self, kind: str, peak: float, total_steps: int, steps_per_epoch: int,
                  warmup_steps: int = 0, decay_rate: float = 0.8, sustain_steps: int = 0,
-                 floor: float = 0.0):
+                 floor: float = 0.0, start: float | None = None):
         if kind not in KINDS:
             raise ValueError(f"unknown lr_schedule {kind!r}; valid: {', '.join(KINDS)}")
         self.kind, self.peak, self.floor = kind, float(peak), float(floor)
         self.total_steps, self.steps_per_epoch = int(total_steps), max(1, steps_per_epoch)
         self.warmup_steps, self.sustain_steps = int(warmup_steps), int(sustain_steps)
         self.decay_rate = float(decay_rate)
+        self.start = self.floor if start is None else float(start)  # the warmup's
 
     def _after_warmup(self, steps_since_warmup: tf.Tensor) -> tf.Tensor:
         span = self.peak - self.floor
@@ -49,7 +50,7 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
 
     def __call__(self, step) -> tf.Tensor:
         step = tf.cast(step, tf.float32)
-        warmup = self.floor + (self.peak - self.floor) * step / max(1, self.warmup_steps)
+        warmup = self.start + (self.peak - self.start) * step / max(1, self.warmup_steps)
         after = self._after_warmup(tf.maximum(step - self.warmup_steps, 0.0))
         return tf.where(step < self.warmup_steps, warmup, after)
 
@@ -57,7 +58,7 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return dict(kind=self.kind, peak=self.peak, total_steps=self.total_steps,
                     steps_per_epoch=self.steps_per_epoch, warmup_steps=self.warmup_steps,
                     decay_rate=self.decay_rate, sustain_steps=self.sustain_steps,
-                    floor=self.floor)
+                    floor=self.floor, start=self.start)
 
 
 def sample_points(schedule: WarmupSchedule, num: int = 6) -> list[tuple[int, float]]:

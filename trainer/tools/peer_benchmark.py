@@ -48,6 +48,8 @@ def define_flags() -> None:
                     "The Python with torch, torchvision and airbench.")
     cli.define_flag(FLAGS, flags.DEFINE_string, "data_dir", None, "TFDS data dir "
                     "(default: TFDS_DATA_DIR).")
+    cli.define_flag(FLAGS, flags.DEFINE_list, "sides", ["peer", "ours"], "Which sides "
+                    "to run (e.g. --sides=ours after a change on our side).")
     cli.define_flag(FLAGS, flags.DEFINE_bool, "profile", False, "Also profile 20 steps "
                     "of each side and print both op tables.")
     cli.define_flag(FLAGS, flags.DEFINE_list, "ours_flags", [], "More flags for our "
@@ -158,9 +160,13 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     work_dir = FLAGS.work_dir
     os.makedirs(os.path.join(work_dir, "logs"), exist_ok=True)
+    if not set(FLAGS.sides) <= {"peer", "ours"}:
+        print(f"error: --sides={','.join(FLAGS.sides)}: the sides are peer and ours",
+              file=sys.stderr)
+        sys.exit(2)
     probe = subprocess.run([FLAGS.peer_python, "-c", "import torch, torchvision, airbench"],
                            capture_output=True, text=True)
-    if probe.returncode != 0:
+    if probe.returncode != 0 and ("peer" in FLAGS.sides or FLAGS.profile):
         print(f"error: {FLAGS.peer_python} cannot import torch, torchvision and airbench "
               f"({probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else ''}); "
               f"pip install -e \".[peer]\" there, or give --peer_python", file=sys.stderr)
@@ -170,7 +176,7 @@ def main(argv: list[str]) -> None:
     try:
         for index, seed in enumerate(int(s) for s in FLAGS.seeds):
             order = ("peer", "ours") if index % 2 == 0 else ("ours", "peer")
-            for side in order:
+            for side in (side for side in order if side in FLAGS.sides):
                 result = (run_peer if side == "peer" else run_ours)(seed, work_dir)
                 rows.append({"side": side, "seed": seed, **result})
                 print(f"{side} seed {seed}: {100 * result['tta_accuracy']:.2f}% in "
