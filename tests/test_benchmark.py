@@ -56,3 +56,16 @@ def test_unknown_case_is_a_usage_error():
     result = _benchmark("--cases=ours,speed")
     assert result.returncode == 2
     assert "unknown --cases speed" in result.stderr
+
+
+def test_peer_benchmark_table_has_each_run_the_means_and_the_ratios():
+    from trainer.tools import peer_benchmark
+    rows = [{"side": side, "seed": seed, "tta_accuracy": accuracy, "train_seconds": seconds,
+             "steps": 240, "images_per_second": 240 * 1024 / seconds}
+            for side, seed, accuracy, seconds in (("peer", 0, 0.84, 120.0),
+                                                  ("ours", 0, 0.85, 240.0),
+                                                  ("ours", 1, 0.83, 240.0))]
+    table = peer_benchmark.table(rows)
+    assert table.count("\n| peer | 0 |") == 1 and table.count("\n| ours |") == 2
+    assert "| **ours, mean** | 2 | 84 ± 1.4% | 240 ± 0 |" in table
+    assert "ours/peer images per second: 0.50; ours - peer test accuracy: +0.00 points" in table
