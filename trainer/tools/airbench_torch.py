@@ -24,12 +24,11 @@ as the package ships it):
 5. Widths and epochs from the flags (airbench_small: 32:64:128, 5 epochs).
 6. The seed: torch.manual_seed(--seed) before the run.
 """
-import argparse
 import json
 import os
-import sys
 import time
 
+from absl import app, flags
 import numpy as np
 import torch
 from torch import nn
@@ -92,18 +91,19 @@ def write_loader_files(npz_path: str, directory: str) -> None:
                     "classes": classes}, os.path.join(directory, f"{split}.pt"))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True, help="cifar10.npz from peer_benchmark")
-    parser.add_argument("--work_dir", required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--epochs", type=float, default=ab94.hyp["opt"]["train_epochs"])
-    parser.add_argument("--widths", default="64:256:256")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--profile_steps", type=int, default=0,
-                        help="instead of a run: profile this many training steps")
-    args = parser.parse_args()
+FLAGS = flags.FLAGS
+flags.DEFINE_string("data", None, "cifar10.npz from peer_benchmark.")
+flags.DEFINE_string("work_dir", None, "A local directory for the loader's files.")
+flags.DEFINE_integer("seed", 0, "torch.manual_seed before the run.")
+flags.DEFINE_float("epochs", ab94.hyp["opt"]["train_epochs"], "Training epochs.")
+flags.DEFINE_string("widths", "64:256:256", "The three groups' widths.")
+flags.DEFINE_integer("threads", 2, "torch.set_num_threads.")
+flags.DEFINE_integer("profile_steps", 0, "Instead of a run: profile this many steps.")
+flags.mark_flags_as_required(["data", "work_dir"])
 
+
+def main(argv: list[str]) -> None:
+    args = FLAGS  # (the peer's own process: no TensorFlow, so no trainer.cli)
     torch.set_num_threads(args.threads)  # change 4
     torch.cuda.Event = _WallClockEvent  # change 3
     torch.cuda.synchronize = lambda *a, **k: None
@@ -124,7 +124,8 @@ def main() -> None:
                                   batch_size=ab94.hyp["opt"]["batch_size"],
                                   aug=ab94.hyp["aug"], altflip=True)
     if args.profile_steps:
-        return profile(args, widths, train_loader)
+        profile(args, widths, train_loader)
+        return
 
     rows = []  # what airbench's table prints, row by row
     print_row = ab_utils.print_training_details
@@ -183,4 +184,4 @@ def profile(args, widths: dict, train_loader) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    app.run(main)

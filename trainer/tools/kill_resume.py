@@ -54,8 +54,8 @@ class Kill:
     worker: int
     resumed_from_step: int   # where the segment that was killed had started
     checkpoint_at_kill: int  # the newest checkpoint when the worker died
-    launcher_exit: int = 0   # the launcher's exit status after the kill (4: a worker died)
-    stopped_after: float = 0.0  # seconds from the kill until the launcher had ended
+    launcher_exit: int       # the launcher's exit status after the kill (4: a worker died)
+    stopped_after: float     # seconds from the kill until the launcher had ended
 
 
 def _latest_step(model_dir: str) -> int:
@@ -135,10 +135,10 @@ def run(workers: int, kills: int, work_dir: str, trainer_args: list[str],
                                f"or lower --max_wait (see {log_path})")
         worker = rng.randrange(workers)
         os.kill(pids[worker], signal.SIGKILL)
-        killed_at = time.time()
-        kill = Kill(killed_at - started, worker, start_step, _latest_step(killed))
-        kill.launcher_exit = launch.wait(timeout=120)  # the launcher stops the others
-        kill.stopped_after = time.time() - killed_at
+        killed_at, checkpoint_at_kill = time.time(), _latest_step(killed)
+        status = launch.wait(timeout=120)  # the launcher stops the others
+        kill = Kill(killed_at - started, worker, start_step, checkpoint_at_kill, status,
+                    time.time() - killed_at)
         done.append(kill)
         say(f"kill {segment + 1}: worker {worker} after {kill.seconds_into_segment:.1f} s "
             f"(segment resumed from step {start_step}; newest checkpoint then: step "

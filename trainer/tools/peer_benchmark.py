@@ -16,6 +16,7 @@ WORK_DIR/peer_benchmark.json. --profile then profiles 20 steps of each
 prints both op tables. --model=airbench runs airbench94's full recipe (widths
 64:256:256; the peer's 9.9 epochs against our recipe's 10).
 """
+import io
 import json
 import os
 import statistics
@@ -27,6 +28,7 @@ from trainer import cli
 cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 
 from absl import app, flags  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 from data import files  # noqa: E402
 
@@ -42,8 +44,9 @@ def define_flags() -> None:
                     "Our model (its recipe) and the peer's match.",
                     enum_values=list(PEER_RECIPES))
     cli.define_flag(FLAGS, flags.DEFINE_list, "seeds", ["0", "1", "2"], "Seeds, each side.")
-    cli.define_flag(FLAGS, flags.DEFINE_string, "work_dir", None, "Directory for the "
-                    "data export, both sides' runs and logs, and peer_benchmark.json.")
+    cli.define_flag(FLAGS, flags.DEFINE_string, "work_dir", None, "A local directory "
+                    "(the peer's torch reads it) for the data export, both sides' runs "
+                    "and logs, and peer_benchmark.json.")
     cli.define_flag(FLAGS, flags.DEFINE_string, "peer_python", sys.executable,
                     "The Python with torch, torchvision and airbench.")
     cli.define_flag(FLAGS, flags.DEFINE_string, "data_dir", None, "TFDS data dir "
@@ -60,7 +63,7 @@ def define_flags() -> None:
 def export_cifar10(path: str, data_dir: str | None) -> None:
     """Our TFDS cifar10, train and test in TFDS's order, as uint8 arrays (the peer
     reads them into its own loader's files)."""
-    if os.path.exists(path):  # (a local directory: the peer's torch reads it too)
+    if tf.io.gfile.exists(path):
         return
     import numpy as np
     import tensorflow_datasets as tfds
@@ -71,10 +74,9 @@ def export_cifar10(path: str, data_dir: str | None) -> None:
         arrays[f"{split}_images"], arrays[f"{split}_labels"] = data["image"], data["label"]
     builder = tfds.builder("cifar10", data_dir=data_dir)
     arrays["classes"] = np.array(builder.info.features["label"].names)
-    temporary = files.temporary_name(path)
-    with open(temporary, "wb") as f:
-        np.savez(f, **arrays)
-    os.replace(temporary, path)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    files.write_atomically(path, buffer.getvalue())
 
 
 def _run(command: list[str], log_path: str, env: dict | None = None) -> str:
@@ -159,7 +161,7 @@ def main(argv: list[str]) -> None:
         print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
         sys.exit(2)
     work_dir = FLAGS.work_dir
-    os.makedirs(os.path.join(work_dir, "logs"), exist_ok=True)
+    tf.io.gfile.makedirs(os.path.join(work_dir, "logs"))
     if not set(FLAGS.sides) <= {"peer", "ours"}:
         print(f"error: --sides={','.join(FLAGS.sides)}: the sides are peer and ours",
               file=sys.stderr)
