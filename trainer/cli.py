@@ -1,6 +1,9 @@
 """What every command does about logs before and after parsing its flags: a
 quiet TensorFlow start-up and a quiet default log (`--verbosity=1` shows all).
-The flags themselves are parsed by each command (helpers in trainer/main.py)."""
+Also the flag helpers every command uses (define_flag, parse_absl_flags): they
+take the command's FlagValues and need no TensorFlow, so the launcher starts
+without it. Each command parses its own flags in its main (trainer/main.py adds
+the run's checks in parse_flags)."""
 import logging as std_logging
 import os
 import sys

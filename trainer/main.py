@@ -36,7 +36,7 @@ USER_ERRORS = (config_lib.ConfigError, sources.DatasetError, strategy_lib.Device
                checkpoints.CheckpointError)
 
 
-# --- Flag helpers every command uses ------------------------------------------------
+# --- The run's flag parsing (cli.parse_absl_flags, then the run's own checks) ---------
 
 def parse_flags(argv: list[str]) -> list[str]:
     """`app.run`'s flags_parser for every command:
