@@ -4,6 +4,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from conftest import classification
@@ -87,6 +88,7 @@ def test_checkpoint_restores_the_average(tmp_path):
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.long(9)  # seconds, with -n 2
 def test_run_reports_raw_and_averaged_accuracy(tiny_config):
     metrics = loop.train_and_evaluate(tiny_config.replace(ema_decay=0.9, optimizer="sgd"))
     with open(os.path.join(tiny_config.model_dir, "metrics.json")) as f:

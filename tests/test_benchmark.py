@@ -17,7 +17,7 @@ def _benchmark(*args):
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
 
 
-@pytest.mark.long(35)  # seconds, with -n 2
+@pytest.mark.long(32)  # seconds, with -n 2
 def test_benchmark_reports_every_case_with_flops(tmp_path):
     output = tmp_path / "bench.json"
     result = _benchmark("--model=cifar_cnn", "--model_size=tiny", "--dataset=synthetic",
@@ -34,6 +34,7 @@ def test_benchmark_reports_every_case_with_flops(tmp_path):
     assert result.stdout.count("\n| ") == 8  # header, rule and 6 cases
 
 
+@pytest.mark.long(16)  # seconds, with -n 2
 def test_two_cpu_replicas_run_ours_and_fit_side_by_side(tmp_path):
     output = tmp_path / "bench.json"
     result = _benchmark("--model=cifar_cnn", "--model_size=tiny", "--dataset=synthetic",

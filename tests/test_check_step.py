@@ -24,6 +24,7 @@ def _check(config):
     return result, check_step.report(result, config, 3)
 
 
+@pytest.mark.long(12)  # seconds, with -n 2
 def test_our_step_passes_with_batch_norm_and_dropout_in_the_model(tiny_config):
     result, report = _check(tiny_config)  # the tiny cifar_cnn has both
     assert result.passed, report
@@ -32,6 +33,7 @@ def test_our_step_passes_with_batch_norm_and_dropout_in_the_model(tiny_config):
     assert "PASS: decided by " in report
 
 
+@pytest.mark.long(10)  # seconds, with -n 2
 def test_a_loss_averaged_per_replica_fails_on_the_gradient_norm(tiny_config, monkeypatch):
     # The classic bug: mean over this replica's examples, then the replicas' gradients
     # are summed, so 2 replicas train with twice the gradient.
@@ -44,6 +46,7 @@ def test_a_loss_averaged_per_replica_fails_on_the_gradient_norm(tiny_config, mon
     assert "FAIL: decided by " in report
 
 
+@pytest.mark.long(10)  # seconds, with -n 2
 def test_a_metric_with_the_wrong_weight_fails(tiny_config, monkeypatch):
     original = step.train_step
 
@@ -59,7 +62,7 @@ def test_a_metric_with_the_wrong_weight_fails(tiny_config, monkeypatch):
     assert not result.passed and result.deciding[0] == "scaled_loss", report
 
 
-@pytest.mark.long(24)  # seconds, with -n 2
+@pytest.mark.long(38)  # seconds, with -n 2
 def test_sam_passes_and_sam_with_this_replicas_norm_fails(tiny_config, monkeypatch):
     config = tiny_config.replace(sam_rho=0.05)
     result, report = _check(config)
@@ -92,6 +95,7 @@ def _teacher_run(directory, seed: int = 4) -> str:
     return str(directory)
 
 
+@pytest.mark.long(25)  # seconds, with -n 2
 def test_distillation_passes_and_a_teacher_in_training_mode_fails(tiny_config, tmp_path,
                                                                    monkeypatch):
     config = tiny_config.replace(task="distill").with_settings(
@@ -125,6 +129,7 @@ def test_a_model_built_with_operators_is_checkable():
     assert copy(tf.ones((2, 4), tf.float64)).dtype == tf.float64
 
 
+@pytest.mark.long(17)  # seconds, with -n 2
 def test_command_prints_pass_and_exits_0():
     result = subprocess.run(
         [sys.executable, "-m", "trainer.check_step", "--model=cifar_cnn",

@@ -33,6 +33,7 @@ def test_save_and_restore_into_a_fresh_model(tmp_path):
     assert int(fresh_step) == 7 and int(fresh_opt.iterations) == 7
 
 
+@pytest.mark.long(17)  # seconds, with -n 2
 def test_run_resumes_and_continues_the_step_count(tiny_config):
     first = loop.train_and_evaluate(tiny_config)
     assert first["steps"] == 4 and first["resumed_from_step"] == 0
@@ -48,6 +49,7 @@ def _snapshot(directory):
             for root, _, names in os.walk(directory) for name in names}
 
 
+@pytest.mark.long(15)  # seconds, with -n 2
 def test_model_dir_of_another_model_is_refused_untouched(tiny_config):
     loop.train_and_evaluate(tiny_config)
     before = _snapshot(tiny_config.model_dir)
@@ -84,6 +86,7 @@ def _truncate(model_dir: str, step: int) -> None:
         f.write(kept)
 
 
+@pytest.mark.long(20)  # seconds, with -n 2
 def test_truncated_newest_checkpoint_is_named_and_the_run_resumes_before_it(
         tiny_config, caplog):
     import logging
@@ -96,6 +99,7 @@ def test_truncated_newest_checkpoint_is_named_and_the_run_resumes_before_it(
     assert tf.train.latest_checkpoint(tiny_config.model_dir).endswith("ckpt-6")
 
 
+@pytest.mark.long(10)  # seconds, with -n 2
 def test_no_readable_checkpoint_is_a_one_line_error(tiny_config):
     loop.train_and_evaluate(tiny_config)
     for step in (2, 4):
@@ -105,7 +109,7 @@ def test_no_readable_checkpoint_is_a_one_line_error(tiny_config):
         loop.train_and_evaluate(tiny_config.replace(train_steps=6))
 
 
-@pytest.mark.long(23)  # seconds, with -n 2
+@pytest.mark.long(24)  # seconds, with -n 2
 def test_a_save_that_fails_leaves_no_temp_and_names_the_last_good_one(tmp_path, run):
     import resource
     import subprocess

@@ -14,6 +14,7 @@ from trainer import recipes
     ("imagenet2012", "resnet50", 1000),  # variable-size photos: Inception crop, 224/256
     ("cifar100", "cifar_cnn", 100),      # fixed 32x32: pad-crop-flip
 ])
+@pytest.mark.long(18)  # seconds, with -n 2
 def test_a_tfds_dataset_by_name_trains_and_evaluates(run, tmp_path, dataset, model,
                                                      classes):
     model_dir = str(tmp_path / "run")

@@ -18,6 +18,7 @@ def _files(directory: str) -> dict[str, bytes]:
             for root, _, names in os.walk(directory) for name in names}
 
 
+@pytest.mark.long(14)  # seconds, with -n 2
 def test_latest_checkpoint_scores_what_training_scored(tiny_config, tmp_path):
     metrics = loop.train_and_evaluate(tiny_config)
     before = _files(tiny_config.model_dir)
@@ -36,6 +37,7 @@ def test_latest_checkpoint_scores_what_training_scored(tiny_config, tmp_path):
     assert older[0]["step"] == 2
 
 
+@pytest.mark.long(14)  # seconds, with -n 2
 def test_best_weights_are_kept_with_their_step(tiny_config):
     metrics = loop.train_and_evaluate(tiny_config.replace(train_steps=6, eval_every=2))
     history = metrics["eval_history"]
@@ -45,6 +47,7 @@ def test_best_weights_are_kept_with_their_step(tiny_config):
     assert os.path.exists(os.path.join(tiny_config.model_dir, "best.weights.h5"))
 
 
+@pytest.mark.long(11)  # seconds, with -n 2
 def test_no_checkpoint_is_a_one_line_error(tiny_config, capsys):
     loop.train_and_evaluate(tiny_config.replace(train_steps=2))  # in-process: quicker
     for name in os.listdir(tiny_config.model_dir):
@@ -62,6 +65,7 @@ def test_no_checkpoint_is_a_one_line_error(tiny_config, capsys):
     assert stderr.strip().splitlines()[-1].startswith("error: no checkpoint in")
 
 
+@pytest.mark.long(35)  # seconds, with -n 2
 def test_watch_follows_a_running_training_to_its_end(tmp_path):
     model_dir = tmp_path / "run"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")

@@ -65,6 +65,7 @@ def test_a_non_finite_update_is_dropped_on_every_replica_and_counted(replicas):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.long(14)  # seconds, with -n 2
 def test_skip_step_keeps_schedule_and_data_position_together(tmp_path):
     """A run with skipped updates: the learning rate logged at each step is the
     schedule's value at that step, and the run resumes from the data position of
@@ -88,7 +89,7 @@ def test_skip_step_keeps_schedule_and_data_position_together(tmp_path):
     assert tf.train.latest_checkpoint(config.model_dir).endswith("ckpt-6")
 
 
-@pytest.mark.long(20)  # seconds, with -n 2
+@pytest.mark.long(11)  # seconds, with -n 2
 def test_diverging_run_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path, run):
     model_dir = str(tmp_path / "run")
     status, log = run(*TINY, f"--model_dir={model_dir}", "--checkpoint_every=2",
@@ -138,7 +139,7 @@ def _wait_for_checkpoint(model_dir, proc, at_least: int) -> None:
     raise AssertionError(f"no checkpoint >= {at_least}: {proc.communicate()[0][-2000:]}")
 
 
-@pytest.mark.long(65)  # seconds, with -n 2
+@pytest.mark.long(83)  # seconds, with -n 2
 def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(tmp_path,
                                                                    generated_records):
     # Two replicas: the harder case (one replica is the in-process resume tests').
@@ -162,7 +163,7 @@ def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(tmp_path,
     assert _sha(killed_dir) == _sha(str(tmp_path / "ref"))
 
 
-@pytest.mark.long(22)  # seconds, with -n 2
+@pytest.mark.long(36)  # seconds, with -n 2
 def test_sigterm_saves_the_current_step_and_exits_75_then_resumes(tmp_path):
     model_dir = str(tmp_path / "run")
     proc = _start(model_dir, "--train_steps=100000", "--checkpoint_every=100000")

@@ -6,6 +6,7 @@ import os
 
 from absl import logging as absl_logging
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from trainer import loop, step
@@ -50,6 +51,7 @@ def test_a_metric_the_step_returns_reaches_log_tensorboard_and_metrics_json(
     assert "grad_norm" in tags and "skipped" in tags
 
 
+@pytest.mark.long(16)  # seconds, with -n 2
 def test_a_two_output_model_trains_with_its_auxiliary_loss_and_exports_logits(
         tiny_config, tmp_path):
     from trainer.serving import export, inference
@@ -68,6 +70,7 @@ def test_a_two_output_model_trains_with_its_auxiliary_loss_and_exports_logits(
     np.testing.assert_allclose(result["probabilities"].numpy(), expected, atol=1e-5)
 
 
+@pytest.mark.long(12)  # seconds, with -n 2
 def test_a_whole_run_and_its_resume_on_a_bucket_like_filesystem(tmp_path, monkeypatch,
                                                                  tmp_path_factory):
     """TFRecords and --model_dir on TensorFlow's in-memory ram:// (standing in for

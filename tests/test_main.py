@@ -32,6 +32,7 @@ def _main(*args, timeout=300):
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.long(17)  # seconds, with -n 2
 def test_cli_trains_and_writes_weights_and_metrics_with_a_quiet_log(tmp_path):
     result = _main(*TINY, "--checkpoint_every=2", f"--model_dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -85,6 +86,7 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path, run, flag, message):
                                            ["checkpoint", "run_config.json"])
 
 
+@pytest.mark.long(17)  # seconds, with -n 2
 def test_tpu_local_falls_back_with_a_warning_unless_required(tmp_path, run):
     # (with --verbosity=1: the library lines come back; the default's quiet log is
     # test_cli_trains_and_writes_weights_and_metrics_with_a_quiet_log's)
@@ -136,6 +138,7 @@ def _eval_accuracy(model, spec, data_dir=None):
     return correct / count
 
 
+@pytest.mark.long(10)  # seconds, with -n 2
 def test_saved_weights_rebuild_the_trained_model_on_cpu(tiny_config):
     metrics = loop.train_and_evaluate(tiny_config.replace(train_steps=40, eval_every=40))
     spec = sources.get_spec("synthetic")
@@ -144,6 +147,7 @@ def test_saved_weights_rebuild_the_trained_model_on_cpu(tiny_config):
     assert _eval_accuracy(fresh, spec) == pytest.approx(metrics["test_accuracy"], abs=1e-6)
 
 
+@pytest.mark.long(13)  # seconds, with -n 2
 def test_two_cpu_replicas_train_end_to_end(tiny_config):
     metrics = loop.train_and_evaluate(tiny_config.replace(cpu_replicas=2))
     assert metrics["replicas"] == 2 and metrics["strategy"] == "MirroredStrategy"
@@ -163,6 +167,7 @@ def _main_in_process(*args) -> dict:
         return json.load(f)
 
 
+@pytest.mark.long(8)  # seconds, with -n 2
 def test_main_on_cifar10_under_tfds_mock_data(tmp_path):
     import tensorflow_datasets as tfds
     with tfds.testing.mock_data(num_examples=50, policy=tfds.testing.MockPolicy.USE_CODE):
@@ -171,7 +176,7 @@ def test_main_on_cifar10_under_tfds_mock_data(tmp_path):
     assert metrics["test_examples"] == 50
 
 
-@pytest.mark.long(23)  # seconds, with -n 2
+@pytest.mark.long(21)  # seconds, with -n 2
 def test_main_on_real_cifar10_from_tfds_data_dir(tmp_path):
     data_dir = os.environ.get("TFDS_DATA_DIR")
     if not data_dir or not os.path.isdir(os.path.join(data_dir, "cifar10")):
@@ -213,6 +218,7 @@ def test_corrupt_tfrecord_stops_the_run_naming_the_file(tmp_path):
     assert f"corrupt or truncated TFRecord file {path}" in result.stderr
 
 
+@pytest.mark.long(12)  # seconds, with -n 2
 def test_trains_on_the_codelab_tfrecords_as_they_are(tmp_path):
     """Shards in the flowers codelab's layout: no dataset.json, no index feature."""
     from test_tfrecords import CODELAB_CLASSES, _codelab_files

@@ -33,7 +33,7 @@ def _weights(checkpoint_dir: str) -> dict[str, np.ndarray]:
             if name.endswith("VARIABLE_VALUE") and not name.startswith("save_counter")}
 
 
-@pytest.mark.long(37)  # seconds, with -n 2
+@pytest.mark.long(39)  # seconds, with -n 2
 def test_two_workers_agree_with_each_other_and_with_one_worker(tmp_path):
     two = str(tmp_path / "two")
     proc = _launch(*EXACT, f"--model_dir={two}")
@@ -57,7 +57,7 @@ def test_two_workers_agree_with_each_other_and_with_one_worker(tmp_path):
                                            "metrics.json"))
 
 
-@pytest.mark.long(100)  # seconds, with -n 2
+@pytest.mark.long(83)  # seconds, with -n 2
 def test_a_dead_worker_stops_the_others_and_the_rerun_ends_bitwise_like_no_kill(
         tmp_path, generated_records):
     """The short version of `trainer.tools.kill_resume` (BUILD.md runs it on real

@@ -59,6 +59,7 @@ def _leftovers(directory) -> list[str]:
 
 # --- 1. Every file whole or not at all -------------------------------------------------
 
+@pytest.mark.long(10)  # seconds, with -n 2
 def test_a_final_write_that_fails_exits_5_and_keeps_the_previous_weights(
         tmp_path, run, monkeypatch, finished):
     model_dir = _copy(finished, tmp_path)
@@ -193,7 +194,7 @@ def test_the_lock_works_on_a_filesystem_without_exclusive_create(monkeypatch):
     locks.acquire("ram://locked/run", "trainer.main").release()
 
 
-@pytest.mark.long(40)
+@pytest.mark.long(27)  # seconds, with -n 2
 def test_two_trainers_on_one_directory_one_trains_and_a_kill_9_needs_no_cleanup(tmp_path):
     model_dir = tmp_path / "run"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
@@ -272,6 +273,7 @@ def test_non_finite_float_flags_are_one_line(tmp_path, run, flag):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.long(10)  # seconds, with -n 2
 def test_an_update_that_overflows_the_weights_is_skipped_and_never_saved(
         tmp_path, run):
     # 3e38 is float32's largest order of magnitude: updates overflow, or leave weights
@@ -310,6 +312,7 @@ def test_a_run_config_of_the_wrong_shape_is_one_line(tmp_path, run, text, messag
     assert "Traceback" not in err and (tmp_path / "run_config.json").read_text() == text
 
 
+@pytest.mark.long(9)  # seconds, with -n 2
 def test_metrics_of_the_wrong_shape_restart_the_history_with_a_warning(tmp_path, run,
                                                                       finished):
     model_dir = _copy(finished, tmp_path)
@@ -325,6 +328,7 @@ def test_metrics_of_the_wrong_shape_restart_the_history_with_a_warning(tmp_path,
 
 # --- 6. Stale temporaries ---------------------------------------------------------------
 
+@pytest.mark.long(9)  # seconds, with -n 2
 def test_stale_temporaries_are_removed_at_start_up_and_complete_files_kept(
         tmp_path, run, finished):
     model_dir = _copy(finished, tmp_path)

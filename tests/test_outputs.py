@@ -96,6 +96,7 @@ def finished_run(tmp_path_factory):
     return config, metrics, terminal.getvalue()
 
 
+@pytest.mark.long(10)  # seconds, with -n 2
 def test_run_on_a_terminal_shows_the_bar(finished_run):
     _, _, shown = finished_run
     assert "epoch 1/1" in shown and "8/8" in shown and "img/s" in shown
@@ -126,6 +127,7 @@ def test_tensorboard_summaries_have_the_expected_tags(finished_run):
     assert png.startswith(PNG_SIGNATURE) and int(width) > 100 and int(height) > 100
 
 
+@pytest.mark.long(15)  # seconds, with -n 2
 def test_summary_png_and_metrics_curves(finished_run):
     config, metrics, _ = finished_run
     path = os.path.join(config.model_dir, "summary.png")
@@ -144,6 +146,7 @@ def test_summary_png_and_metrics_curves(finished_run):
     assert np.trace(confusion) == round(metrics["test_accuracy"] * confusion.sum())
 
 
+@pytest.mark.long(14)  # seconds, with -n 2
 def test_resumed_run_keeps_the_earlier_curve(finished_run, tmp_path):
     config, _, _ = finished_run
     config = config.replace(model_dir=str(tmp_path / "copy"))

@@ -280,7 +280,7 @@ def _airbench_config(tiny_config, **changes):
             label_smoothing=0.2, tta_flip=True, tta_translate=True)
 
 
-@pytest.mark.long(53)  # seconds, with -n 2
+@pytest.mark.long(57)  # seconds, with -n 2
 def test_airbench_logs_flops_profiles_and_resumes_bitwise_after_a_kill(
         tiny_config, monkeypatch, caplog):
     """A straight run logs FLOP/s and writes a profile; a run killed after its
@@ -325,6 +325,7 @@ def test_airbench_logs_flops_profiles_and_resumes_bitwise_after_a_kill(
     assert resumed["weights_sha256"] == straight["weights_sha256"]
 
 
+@pytest.mark.long(15)  # seconds, with -n 2
 def test_weights_given_with_weights_keep_their_whitening(tiny_config, tmp_path):
     """--weights brings the whitening it was saved with: the loop does not set it
     again from the data."""

@@ -182,6 +182,7 @@ def test_the_central_crop_is_deterministic_and_is_the_centre():
     assert np.abs(from_jpeg - image.numpy()[16:240, 48:272]).mean() < 3  # JPEG's loss
 
 
+@pytest.mark.long(8)  # seconds, with -n 2
 def test_the_train_loop_times_the_wait_for_a_slow_input_and_the_log_says_input_bound():
     """In a fresh process: op determinism, which an earlier test in this one may
     have enabled (it is process-wide), forbids the timestamps."""
@@ -235,6 +236,7 @@ def check_the_loop_times_a_slow_input():
     assert float(sums[distributed.INPUT_WAIT][1]) == 0  # not timed: the log says nothing
 
 
+@pytest.mark.long(21)  # seconds, with -n 2
 def test_a_streamed_run_stopped_and_resumed_ends_with_the_straight_runs_weights(
         tiny_config, generated_records, monkeypatch):
     """One replica, through trainer.loop: 24 steps of 128 over 2,048 streamed

@@ -33,7 +33,7 @@ def _config(tiny_config, task: str, teacher_dir: str):
 
 
 @pytest.mark.parametrize("task", ["distill", "autoencoder"])
-@pytest.mark.long(42)  # seconds, with -n 2
+@pytest.mark.long(29)  # seconds, with -n 2
 def test_a_task_trains_on_two_replicas_passes_the_check_and_serves(
         task, tiny_config, teacher_dir, tmp_path):
     config = _config(tiny_config, task, teacher_dir).replace(cpu_replicas=2)
@@ -67,6 +67,7 @@ def test_a_task_trains_on_two_replicas_passes_the_check_and_serves(
         assert served["probabilities"].shape == (1, 10)
 
 
+@pytest.mark.long(23)  # seconds, with -n 2
 @pytest.mark.parametrize("task", ["classification", "distill", "autoencoder"])
 def test_a_tasks_step_compiles_with_xla_and_matches_the_plain_step(
         task, tiny_config, teacher_dir):
@@ -124,6 +125,7 @@ def _cpu_model() -> str:
         return platform.processor()
 
 
+@pytest.mark.long(26)  # seconds, with -n 2
 @pytest.mark.parametrize("case", sorted(BEFORE_TASKS))
 def test_classification_through_the_task_seam_is_bitwise_as_before(case, tmp_path):
     if (_cpu_model(), tf.__version__) != REFERENCE_MACHINE:

@@ -77,27 +77,35 @@ def _run_steps(strategy: tf.distribute.Strategy, replica_fn: Callable, iterator,
     (time_input) the seconds the steps waited for their input, else 0."""
     replica_fn = _summable(replica_fn)
 
-    def one_step(previous: list):
+    # A function of its own, so the first step and the loop's body call one graph:
+    # the step (forward, gradients, optimizer) is traced once, not twice.
+    @tf.function
+    def one_step(previous_done: tf.Tensor):
         if not time_input:
             per_replica = strategy.run(replica_fn, args=(next(iterator),))
-            return tf.nest.map_structure(lambda t: strategy.reduce(SUM, t, axis=None),
-                                         per_replica), tf.constant(0.0, tf.float64)
+            # SUM over replicas: each returned totals over its own share of the batch.
+            totals = tf.nest.map_structure(lambda t: strategy.reduce(SUM, t, axis=None),
+                                           per_replica)
+            return totals, tf.constant(0.0, tf.float64), previous_done
         # The input wait: from the previous step's end (its sums exist) to this
         # step's batch being there. A pipeline that keeps up has it prefetched.
-        with tf.control_dependencies(previous):
+        with tf.control_dependencies([previous_done]):
             asked = tf.timestamp()
         with tf.control_dependencies([asked]):
             batch = next(iterator)
         with tf.control_dependencies(tf.nest.flatten(batch, expand_composites=True)):
             waited = tf.timestamp() - asked
         per_replica = strategy.run(replica_fn, args=(batch,))
-        # SUM over replicas: each returned totals over its own share of the batch.
-        return tf.nest.map_structure(lambda t: strategy.reduce(SUM, t, axis=None),
-                                     per_replica), waited
+        totals = tf.nest.map_structure(lambda t: strategy.reduce(SUM, t, axis=None),
+                                       per_replica)
+        with tf.control_dependencies(tf.nest.flatten(totals)):
+            done = tf.identity(previous_done)  # ready once this step's sums are
+        return totals, waited, done
 
-    totals, waited = one_step([])  # the first step fixes the structure the step returns
+    # The first step fixes the structure the step returns (the loop's variables).
+    totals, waited, done = one_step(tf.constant(0.0, tf.float64))
     for _ in tf.range(num_steps - 1):
-        step_totals, step_waited = one_step(tf.nest.flatten(totals))
+        step_totals, step_waited, done = one_step(done)
         totals = tf.nest.map_structure(tf.add, totals, step_totals)
         waited += step_waited
     return totals, waited
