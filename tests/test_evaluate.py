@@ -70,8 +70,8 @@ def test_watch_follows_a_running_training_to_its_end(tmp_path):
     model_dir = tmp_path / "run"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "trainer.main", *TINY, "--train_steps=300",
-         "--steps_per_loop=5", "--checkpoint_every=50", "--eval_every=300",
+        [sys.executable, "-m", "trainer.main", *TINY, "--train_steps=150",
+         "--steps_per_loop=5", "--checkpoint_every=50", "--eval_every=150",
          "--keep_checkpoints=10", f"--model_dir={model_dir}"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -86,7 +86,7 @@ def test_watch_follows_a_running_training_to_its_end(tmp_path):
     assert watcher.returncode == 0, watcher.stderr[-2000:]
     records = json.loads((tmp_path / "watch" / evaluate.EVALUATIONS_FILE).read_text())
     steps = [r["step"] for r in records["evaluations"]]
-    assert steps == sorted(steps) and len(steps) >= 2 and steps[-1] == 300
+    assert steps == sorted(steps) and len(steps) >= 2 and steps[-1] == 150
     final = json.loads((model_dir / "metrics.json").read_text())
     assert records["evaluations"][-1]["test_accuracy"] == pytest.approx(
         final["test_accuracy"], abs=1e-6)

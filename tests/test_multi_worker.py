@@ -68,8 +68,8 @@ def test_a_dead_worker_stops_the_others_and_the_rerun_ends_bitwise_like_no_kill(
     from trainer.tools import kill_resume
     args = ["--model=cifar_cnn", "--model_size=tiny", f"--dataset={generated_records}",
             "--cache=none",
-            "--batch_size=64", "--train_steps=96", "--steps_per_loop=1",
-            "--checkpoint_every=10", "--eval_every=96", "--deterministic",
+            "--batch_size=64", "--train_steps=48", "--steps_per_loop=1",
+            "--checkpoint_every=10", "--eval_every=48", "--deterministic",
             "--shuffle_buffer=1024", "--mixup_alpha=0.2", "--cutmix_alpha=1.0"]
     said = []
     kills, reference, killed = kill_resume.run(2, 1, str(tmp_path), args, max_wait=0.5,
