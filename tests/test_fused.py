@@ -91,3 +91,15 @@ def test_an_airbench_with_fused_layers_loads_the_weights_of_one_without(tmp_path
                                plain(x, training=False).numpy(), atol=1e-4)
     clone = keras.Model.from_config(fast.get_config())  # both layers serialize
     assert sum(isinstance(layer, fused.BatchNormalization) for layer in clone.layers) == 6
+
+
+def test_the_fused_benchmark_times_airbenchs_six_pairs():
+    from trainer.tools import fused_benchmark
+    assert fused_benchmark.shapes(1024, [32, 64, 128]) == [
+        (1024, 15, 15, 32), (1024, 15, 15, 32), (1024, 7, 7, 64), (1024, 7, 7, 64),
+        (1024, 3, 3, 128), (1024, 3, 3, 128)]
+    milliseconds = fused_benchmark.time_pass(
+        lambda: fused.BatchNormalization(scale=False), fused.gelu,
+        fused_benchmark.shapes(4, [2, 2, 2]), repeats=1)
+    assert milliseconds > 0
+    assert keras.mixed_precision.global_policy().name == "float32"  # restored
