@@ -62,6 +62,8 @@ def test_flatten_layers_reaches_a_layer_inside_a_nested_model():
     initialised from data however deep they sit."""
     inner = keras.Sequential([keras.Input((8, 8, 3)), layers.PatchWhitening(name="whiten")])
     outer = keras.Sequential([keras.Input((8, 8, 3)), inner, keras.layers.Flatten()])
+    assert "whiten" in [layer.name for layer in  # noqa: SLF001
+                        outer._flatten_layers(include_self=False)]
     assert layers.needs_data(outer)
     assert layers.init_from_data(outer, np.random.rand(16, 8, 8, 3).astype(np.float32)) == [
         "whiten"]

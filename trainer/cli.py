@@ -1,15 +1,16 @@
-"""What every command does about logs before and after parsing its flags: a
-quiet TensorFlow start-up and a quiet default log (`--verbosity=1` shows all).
-Also the flag helpers every command uses (define_flag, parse_absl_flags): they
-take the command's FlagValues and need no TensorFlow, so the launcher starts
-without it. Each command parses its own flags in its main (trainer/main.py adds
-the run's checks in parse_flags)."""
+"""How every command starts: `cli.run(main)` at the end of each command's file is
+absl's app.run with our flag parsing (parse_absl_flags: a wrong flag is one
+`error:` line and exit 2; a quiet default log, `--verbosity=1` shows all; the
+command's own parser may add checks, as trainer/main.py's parse_flags does), and
+`define_flag` defines a command's flags. None of it needs TensorFlow, so the
+launcher starts without it. Flags are read here and in the commands' mains, never
+by library code."""
 import logging as std_logging
 import os
 import sys
 from typing import Any, Callable
 
-from absl import flags, logging
+from absl import app, flags, logging
 
 # Moved to data/ (data.make_tfrecords needs them and must not import trainer/);
 # the commands keep calling cli.set_native_log_level.
@@ -82,3 +83,10 @@ def parse_absl_flags(flag_values: flags.FlagValues, argv: list[str]) -> list[str
         logging.set_verbosity(logging.WARNING)
     std_logging.getLogger("tensorflow").handlers.clear()
     return argv
+
+
+def run(main: Callable[[list[str]], None], flag_values: flags.FlagValues = flags.FLAGS,
+        parse: Callable[[list[str]], list[str]] | None = None) -> None:
+    """Runs a command's `main` (absl's app.run); its flags are parsed by `parse`,
+    by default parse_absl_flags(flag_values, argv)."""
+    app.run(main, flags_parser=parse or (lambda argv: parse_absl_flags(flag_values, argv)))

@@ -22,7 +22,7 @@ from trainer import cli
 
 cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from data import files  # noqa: E402
@@ -200,4 +200,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=main_lib.parse_flags)
+    cli.run(main, parse=main_lib.parse_flags)

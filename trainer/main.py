@@ -20,7 +20,7 @@ from trainer import cli
 cli.set_deterministic_kernels(sys.argv)  # before TensorFlow starts
 cli.set_native_log_level(sys.argv)
 
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 
 from data import files, sources  # noqa: E402
 import models  # noqa: E402
@@ -39,7 +39,7 @@ USER_ERRORS = (config_lib.ConfigError, sources.DatasetError, strategy_lib.Device
 # --- The run's flag parsing (cli.parse_absl_flags, then the run's own checks) ---------
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """`app.run`'s flags_parser for every command:
+    """The parser every TensorFlow command gives cli.run:
     - cli.parse_absl_flags: a wrong flag is one `error: ...` line, exit 2; quiet
       library logs;
     - a float flag that is nan or inf is the same one line (no range check sees it).
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(max(logging.INFO, FLAGS.verbosity))
     cli.quiet_library_logs(FLAGS.verbosity)
     # TF's own stderr handler would print its records a second time (absl's prints
-    # them; cli.parse_flags clears it too, but main may be called in-process).
+    # them; cli.parse_absl_flags clears it too, but main may be called in-process).
     std_logging.getLogger("tensorflow").handlers.clear()
     try:
         with faults.SigtermWatcher() as sigterm:  # from here SIGTERM is one line, 75
@@ -151,4 +151,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=parse_flags)
+    cli.run(main, parse=parse_flags)

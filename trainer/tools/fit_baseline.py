@@ -15,7 +15,7 @@ from trainer import cli  # noqa: E402
 
 cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -98,4 +98,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=main_lib.parse_flags)
+    cli.run(main, parse=main_lib.parse_flags)

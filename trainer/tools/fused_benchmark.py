@@ -10,7 +10,7 @@ forward+backward pass.
 """
 import time
 
-from absl import app, flags
+from absl import flags
 
 from trainer import cli
 
@@ -86,4 +86,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=lambda argv: cli.parse_absl_flags(FLAGS, argv))
+    cli.run(main, FLAGS)

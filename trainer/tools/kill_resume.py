@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from absl import app, flags
+from absl import flags
 import tensorflow as tf
 
 from data import files
@@ -179,4 +179,4 @@ def leftovers(directory: str) -> list[str]:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=main_lib.parse_flags)
+    cli.run(main, parse=main_lib.parse_flags)

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 
-from absl import app, flags
+from absl import flags
 
 from trainer import cli  # not trainer.main: the launcher starts without TensorFlow
 
@@ -143,4 +143,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=lambda argv: cli.parse_absl_flags(FLAGS, argv))
+    cli.run(main, FLAGS)

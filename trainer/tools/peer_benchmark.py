@@ -27,7 +27,7 @@ from trainer import cli
 
 cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from data import files  # noqa: E402
@@ -201,4 +201,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=lambda argv: cli.parse_absl_flags(FLAGS, argv))
+    cli.run(main, FLAGS)
