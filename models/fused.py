@@ -9,8 +9,8 @@ pass over the activations, and as many again backward).
 The layer *is* Keras' BatchNormalization: the same class name, weights, variables
 and config, so a model's `.weights.h5` and training checkpoints are interchangeable
 with the built-in layer's (Keras names saved layers by their class name). It falls
-back to Keras' own computation where the fused op does not apply (another backend,
-not 4-D channels-last, a mask, renorm, synchronized statistics, float64).
+back to Keras' own computation where the fused op does not apply (not 4-D
+channels-last, a mask, renorm, synchronized statistics, float64).
 
 One convention differs, on purpose: the moving variance is updated with the
 unbiased batch variance (n / (n - 1) times the biased one, n = batch x height x
@@ -58,8 +58,7 @@ class BatchNormalization(layers.BatchNormalization):
     (see the module's docstring); same arguments."""
 
     def _fuses(self, inputs, mask) -> bool:
-        return (keras.backend.backend() == "tensorflow" and mask is None
-                and not self.renorm and not self.synchronized
+        return (mask is None and not self.renorm and not self.synchronized
                 and len(inputs.shape) == 4 and self.axis % 4 == 3
                 and keras.backend.standardize_dtype(inputs.dtype)
                 in ("float32", "bfloat16", "float16"))
