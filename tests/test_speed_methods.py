@@ -105,6 +105,75 @@ def test_lr_multiplier_patterns_match_paths_and_a_typo_is_an_error():
         optimizers.parse_lr_multipliers("*/beta")
 
 
+def _frozen_run(freeze_text: str, steps: int, strategy=None, decay_vectors=True):
+    """`steps` SGD-Nesterov updates (decay 0.5) of a vector and a kernel, with
+    `freeze_text` (--freeze_after_epochs, 1 step an epoch); the values after each."""
+    strategy = strategy or tf.distribute.get_strategy()
+    with strategy.scope():
+        alpha = keras.Variable(np.ones(3, np.float32), name="alpha")
+        kernel = keras.Variable(np.ones((2, 2), np.float32), name="kernel")
+        optimizer = optimizers.create("sgd", 0.1, [alpha, kernel], momentum=0.85,
+                                      weight_decay=0.5, decay_vectors=decay_vectors,
+                                      freeze_text=freeze_text, steps_per_epoch=1)
+
+    @tf.function
+    def update(k):
+        gradient = [tf.fill((3,), 0.01) * k, tf.fill((2, 2), 0.02) * k]
+        strategy.run(lambda: optimizers.apply_or_skip(
+            optimizer, gradient, [alpha, kernel], tf.constant(True)))
+
+    history = []
+    for k in range(steps):
+        update(tf.constant(k + 1.0))
+        history.append((alpha.numpy().copy(), kernel.numpy().copy()))
+    return history
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_frozen_variable_stops_at_its_step_and_nothing_else_changes(replicas):
+    """airbench's whitening bias: trained for 3 epochs, then requires_grad=False
+    (no gradient step, no weight decay). Before its step a frozen variable moves
+    bitwise as it would unfrozen (its decay, moved out of Keras' pass, is the same
+    sum); from it on it stays; the other variables never notice."""
+    strategy = mirrored() if replicas == 2 else None
+    free = _frozen_run("", 4, strategy)
+    frozen = _frozen_run("alp*=2", 4, strategy)  # frozen from optimizer step 2
+    for step in range(4):
+        np.testing.assert_array_equal(frozen[step][1], free[step][1])  # the kernel
+    for step in (0, 1):
+        np.testing.assert_array_equal(frozen[step][0], free[step][0])
+    for step in (2, 3):
+        np.testing.assert_array_equal(frozen[step][0], frozen[1][0])
+    assert not np.array_equal(free[3][0], free[1][0])
+    # Without --decay_vectors the vector is not decayed, frozen or not.
+    plain, plain_frozen = _frozen_run("", 2, decay_vectors=False), _frozen_run(
+        "alpha=1", 2, decay_vectors=False)
+    np.testing.assert_allclose(plain[0][0], 1 - 0.1 * 0.01 * (1 + 0.85), rtol=1e-6)
+    np.testing.assert_array_equal(plain_frozen[0][0], plain[0][0])
+    np.testing.assert_array_equal(plain_frozen[1][0], plain_frozen[0][0])
+
+
+def test_a_freeze_pattern_that_matches_nothing_is_refused():
+    variables = [keras.Variable(np.ones(3, np.float32), name="alpha")]
+    with pytest.raises(ValueError, match="--freeze_after_epochs: whiten/\\* match"):
+        optimizers.create("sgd", 0.1, variables, freeze_text="whiten/*=3")
+    with pytest.raises(ValueError, match="--freeze_after_epochs: 'whiten' is not "
+                                         "PATTERN=EPOCHS"):
+        optimizers.create("sgd", 0.1, variables, freeze_text="whiten")
+
+
+def test_airbench_freezes_its_whitening_bias_after_3_epochs():
+    from trainer import recipes
+    assert recipes.RECIPES["airbench_small"]["freeze_after_epochs"] == "whiten/*=3"
+    model = models.build("airbench", 10, (32, 32, 3), tiny=True)
+    optimizer = optimizers.create("sgd", 0.1, model.trainable_variables,
+                                  weight_decay=0.01, decay_vectors=True,
+                                  freeze_text="whiten/*=3", steps_per_epoch=48)
+    steps = dict(zip((v.path for v in model.trainable_variables),
+                     optimizer._freeze_steps))  # noqa: SLF001
+    assert steps.pop("whiten/bias") == 144 and set(steps.values()) == {None}
+
+
 # --- Lookahead --------------------------------------------------------------------
 
 def _model(seed: int = 3) -> keras.Model:

@@ -104,7 +104,8 @@ def build_model(config: Config, spec: sources.DatasetSpec, task: tasks.Task,
 def build_optimizer(config: Config,
                     schedule: keras.optimizers.schedules.LearningRateSchedule | float,
                     model: keras.Model,
-                    precision: str = "float32") -> keras.optimizers.Optimizer:
+                    precision: str = "float32", steps_per_epoch: int = 1
+                    ) -> keras.optimizers.Optimizer:
     """The run's optimizer, built, with its learning-rate multipliers and, with
     --lookahead_every, the Lookahead's slow weights; call under the strategy's
     scope, after any initialisation of the weights."""
@@ -113,8 +114,9 @@ def build_optimizer(config: Config,
                                       model.trainable_variables, config.weight_decay,
                                       config.momentum, precision, config.ema_decay,
                                       config.lr_multipliers, config.optimizer_options,
-                                      config.decay_vectors)
-    except ValueError as err:  # a bad --optimizer_options or --lr_multipliers
+                                      config.decay_vectors, config.freeze_after_epochs,
+                                      steps_per_epoch)
+    except ValueError as err:  # bad --optimizer_options, --lr_multipliers, --freeze_...
         raise ConfigError(str(err)) from err
     if config.lookahead_every:
         averaging.add_lookahead(optimizer, model.trainable_variables
@@ -181,7 +183,8 @@ def build_run(config: Config, spec: sources.DatasetSpec, plan: Plan,
         if training:
             task.build(adapt_fixed_model)
         schedule = make_schedule(config, plan)  # a function of optimizer.iterations
-        optimizer = build_optimizer(config, schedule, model, precision)
+        optimizer = build_optimizer(config, schedule, model, precision,
+                                    plan.steps_per_epoch)
     step_options = step.StepOptions.from_config(config, total_steps=plan.total_steps)
     return Run(config, spec, plan, task, model, optimizer, schedule, step_options)
 

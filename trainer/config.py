@@ -98,6 +98,10 @@ class Config:
                             "the first glob matching a trainable variable's path wins "
                             "(e.g. '*/beta=64': batch-norm biases x64, as airbench; "
                             "weight decay is not multiplied).")
+    freeze_after_epochs: str = _("", "Variables that stop training after some epochs, "
+                                 "'PATTERN=EPOCHS,...' (globs on the variable's path, as "
+                                 "--lr_multipliers): from then on no gradient step and no "
+                                 "weight decay (airbench: 'whiten/*=3').")
     # --- the training step (read in trainer/step.py) ---
     clip_grad_norm: float = _(0.0, "Clip the global norm of the gradient summed over "
                               "all replicas to this value (0: off).")

@@ -36,9 +36,12 @@ class _SummedGradients:
     replicas: without it, `apply` inside a replica context would all-reduce them a
     second time (Keras 3 has no switch for this; the sum lives in one private
     method, `_all_reduce_sum_gradients`, which tests/test_optimizers.py watches).
-    Also: per-variable learning-rate multipliers (`set_lr_multipliers`)."""
+    Also: per-variable learning-rate multipliers (`set_lr_multipliers`) and
+    variables frozen from a step on (`set_freeze_steps`)."""
 
     _lr_multipliers: tuple[float, ...] = ()  # by variable index; () for all 1
+    _freeze_steps: tuple[int | None, ...] = ()  # by variable index; () for none
+    _decayed_here: tuple[bool, ...] = ()
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
         return grads_and_vars
@@ -48,12 +51,34 @@ class _SummedGradients:
         Decoupled weight decay is not multiplied (as in airbench)."""
         self._lr_multipliers = tuple(multipliers)
 
+    def set_freeze_steps(self, steps: list[int | None], decayed: list[bool]) -> None:
+        """Variable i gets no update at all once optimizer.iterations reaches
+        steps[i] (None: never): no gradient step and no weight decay, as a PyTorch
+        parameter with requires_grad=False (airbench freezes its whitening bias
+        after 3 epochs). Its decoupled weight decay (decayed[i]) is applied in
+        update_step, where the freeze can skip it: `create` excludes such variables
+        from Keras' own decay pass, which runs before the update with the same
+        formula."""
+        self._freeze_steps, self._decayed_here = tuple(steps), tuple(decayed)
+
     def update_step(self, gradient, variable, learning_rate):
-        if self._lr_multipliers:
-            factor = self._lr_multipliers[self._get_variable_index(variable)]
-            if factor != 1.0:
-                learning_rate = learning_rate * factor
-        return super().update_step(gradient, variable, learning_rate)
+        if not (self._lr_multipliers or self._freeze_steps):
+            return super().update_step(gradient, variable, learning_rate)
+        index = self._get_variable_index(variable)
+        scaled = learning_rate
+        if self._lr_multipliers and self._lr_multipliers[index] != 1.0:
+            scaled = learning_rate * self._lr_multipliers[index]
+        freeze = self._freeze_steps[index] if self._freeze_steps else None
+        if freeze is None:
+            return super().update_step(gradient, variable, scaled)
+
+        def train():
+            if self._decayed_here[index]:  # Keras' decay pass, moved here
+                variable.assign_sub(variable * tf.cast(self.weight_decay, variable.dtype)
+                                    * tf.cast(learning_rate, variable.dtype))
+            super(_SummedGradients, self).update_step(gradient, variable, scaled)
+
+        tf.cond(self.iterations < freeze, train, lambda: None)
 
 
 def keras_optimizers() -> dict[str, type]:
@@ -98,46 +123,56 @@ def parse_options(name: str, text: str) -> dict:
                                         "--optimizer_options", name)
 
 
-def parse_lr_multipliers(text: str) -> list[tuple[str, float]]:
+def parse_patterns(text: str, flag: str, what: str = "FACTOR") -> list[tuple[str, float]]:
     """'*/beta=64,whiten/*=0' -> [('*/beta', 64.0), ('whiten/*', 0.0)]; ValueError
-    if malformed."""
+    naming `flag` if malformed or a value is negative."""
     pairs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        pattern, _, factor = item.rpartition("=")
+        pattern, _, value = item.rpartition("=")
         try:
-            pairs.append((pattern, float(factor)))
+            pairs.append((pattern, float(value)))
         except ValueError:
             pattern = ""
         if not pattern or pairs[-1][1] < 0:
-            raise ValueError(f"--lr_multipliers: {item!r} is not PATTERN=FACTOR with a "
-                             f"factor >= 0 (e.g. '*/beta=64')")
+            raise ValueError(f"{flag}: {item!r} is not PATTERN={what} with a "
+                             f"{what.lower()} >= 0 (e.g. '*/beta=64')")
     return pairs
 
 
-def lr_multipliers(variables: list, pairs: list[tuple[str, float]]) -> list[float]:
-    """Each variable's multiplier: that of the first glob pattern matching its path
-    (e.g. 'batch_normalization_3/beta'), else 1. A pattern matching nothing is a
-    ValueError (a typo would silently change nothing)."""
-    factors, used = [], set()
+def parse_lr_multipliers(text: str) -> list[tuple[str, float]]:
+    return parse_patterns(text, "--lr_multipliers")
+
+
+def per_variable(variables: list, pairs: list[tuple[str, float]], default,
+                 flag: str = "--lr_multipliers") -> list:
+    """Each variable's value: that of the first glob pattern matching its path
+    (e.g. 'batch_normalization_3/beta'), else `default`. A pattern matching nothing
+    is a ValueError naming `flag` (a typo would silently change nothing)."""
+    values, used = [], set()
     for variable in variables:
-        factor = 1.0
-        for pattern, value in pairs:
+        value = default
+        for pattern, given in pairs:
             if fnmatch.fnmatchcase(variable.path, pattern):
-                factor = value
+                value = given
                 used.add(pattern)
                 break
-        factors.append(factor)
+        values.append(value)
     unused = [pattern for pattern, _ in pairs if pattern not in used]
     if unused:
-        raise ValueError(f"--lr_multipliers: {', '.join(unused)} match(es) no trainable "
+        raise ValueError(f"{flag}: {', '.join(unused)} match(es) no trainable "
                          f"variable; paths look like {variables[0].path!r}")
-    return factors
+    return values
+
+
+def lr_multipliers(variables: list, pairs: list[tuple[str, float]]) -> list[float]:
+    return per_variable(variables, pairs, 1.0)
 
 
 def create(name: str, learning_rate, variables, weight_decay: float = 0.0,
            momentum: float = 0.9, precision: str = "float32",
            ema_decay: float = 0.0, lr_multipliers_text: str = "",
-           options_text: str = "", decay_vectors: bool = False
+           options_text: str = "", decay_vectors: bool = False,
+           freeze_text: str = "", steps_per_epoch: int = 1
            ) -> keras.optimizers.Optimizer:
     """Builds and *builds* the optimizer `name` (any of `names()`; slot variables
     exist before the first step), wrapped by `summed`.
@@ -149,7 +184,9 @@ def create(name: str, learning_rate, variables, weight_decay: float = 0.0,
     options_text ('beta_1=0.95', ...). Weight decay is decoupled (AdamW style) and
     skips 1-D variables (biases and batch-norm scales/offsets) unless
     decay_vectors (airbench decays them too). ema_decay > 0 keeps
-    a moving average of the weights (see trainer/averaging.py).
+    a moving average of the weights (see trainer/averaging.py). freeze_text
+    ('PATTERN=EPOCHS,...', --freeze_after_epochs): matching variables get no
+    update from that epoch on (epochs of `steps_per_epoch` steps).
     """
     classes = keras_optimizers()
     if name not in classes:
@@ -166,9 +203,20 @@ def create(name: str, learning_rate, variables, weight_decay: float = 0.0,
     if lr_multipliers_text:
         optimizer.set_lr_multipliers(
             lr_multipliers(variables, parse_lr_multipliers(lr_multipliers_text)))
-    if weight_decay and not decay_vectors:
-        optimizer.exclude_from_weight_decay(var_list=[v for v in variables
-                                                      if len(v.shape) <= 1])
+    undecayed = ([v for v in variables if len(v.shape) <= 1]
+                 if weight_decay and not decay_vectors else [])
+    if freeze_text:
+        epochs = per_variable(variables, parse_patterns(freeze_text, "--freeze_after_epochs",
+                                                        "EPOCHS"),
+                              None, "--freeze_after_epochs")
+        steps = [None if e is None else round(e * steps_per_epoch) for e in epochs]
+        decayed = [bool(optimizer.weight_decay) and s is not None
+                   and not any(v is u for u in undecayed) for v, s in zip(variables, steps)]
+        optimizer.set_freeze_steps(steps, decayed)
+        # Keras' exclusion list is one set, replaced by each call: give it everything.
+        undecayed += [v for v, s in zip(variables, steps) if s is not None]
+    if undecayed:
+        optimizer.exclude_from_weight_decay(var_list=undecayed)
     if precision == "mixed_float16":
         # float16 gradients underflow: the loss is scaled up, the summed gradients
         # unscaled (`unscale`), and the scale adapts (`apply_or_skip`).
