@@ -29,9 +29,13 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(autouse=True)
 def _float32_policy():
-    """Runs that set a mixed-precision policy must not leak it into other tests."""
+    """Runs that set a mixed-precision policy, or --deterministic (op determinism,
+    process-wide: XLA then refuses some gradients), must not leak it into other
+    tests."""
     yield
     keras.mixed_precision.set_global_policy("float32")
+    from tensorflow.python.framework import config as tf_config
+    tf_config.disable_op_determinism()
 
 
 @pytest.fixture(params=["one_device", "mirrored"])
@@ -49,9 +53,11 @@ def mirrored() -> tf.distribute.MirroredStrategy:
 
 @pytest.fixture
 def tiny_config(tmp_path) -> Config:
-    """A few steps of the tiny convnet on generated data: seconds, no files."""
+    """A few steps of the tiny convnet on generated data: seconds, no files.
+    (Evaluation at batch 256: 8 batches of the 2,000 test images, not 125.)"""
     return Config(model="cifar_cnn", model_size="tiny", dataset="synthetic",
-                  model_dir=str(tmp_path / "run"), batch_size=16, train_steps=4,
+                  model_dir=str(tmp_path / "run"), batch_size=16, eval_batch_size=256,
+                  train_steps=4,
                   steps_per_loop=2, log_every=2, eval_every=4, checkpoint_every=2,
                   precision="float32", shuffle_buffer=64)
 

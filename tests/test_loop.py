@@ -111,3 +111,17 @@ def test_a_whole_run_and_its_resume_on_a_bucket_like_filesystem(tmp_path, monkey
     new_in_temp = set(os.listdir(tempfile.gettempdir())) - temp_before
     # (TensorFlow's autograph caches the code it generates there, nothing of the run's)
     assert not [n for n in new_in_temp if not n.startswith("__autograph_generated_file")]
+
+
+def test_evaluation_has_its_own_batch_size_split_over_the_replicas(tiny_config):
+    """--eval_batch_size: evaluation's global batch (0: --batch_size); the last
+    batch is padded and masked (tests/test_data.py), so any size is exact."""
+    from trainer import build
+    from trainer.config import ConfigError
+    plan = build.Plan.make(tiny_config.replace(eval_batch_size=256), 10_000, 2_000, 2)
+    assert (plan.eval_steps, plan.steps_per_epoch, plan.per_replica_batch) == (8, 625, 8)
+    assert build.Plan.make(tiny_config.replace(eval_batch_size=0), 10_000, 2_000,
+                           2).eval_steps == 125  # 2,000 / 16
+    with pytest.raises(ConfigError, match="--eval_batch_size=255 does not divide by "
+                                          "the 2 replicas"):
+        build.Plan.make(tiny_config.replace(eval_batch_size=255), 10_000, 2_000, 2)

@@ -16,7 +16,7 @@ EXACT = ["--model=convnet", "--model_size=tiny", "--dataset=synthetic",
          "--image_size=32", "--batch_size=16", "--train_steps=6", "--steps_per_loop=2",
          "--checkpoint_every=3", "--eval_every=6", "--precision=float32",
          "--shuffle_buffer=0", "--augment=none", "--optimizer=sgd",
-         "--learning_rate=0.05"]
+         "--learning_rate=0.05", "--eval_batch_size=256"]
 
 
 def _launch(*args, workers=2):

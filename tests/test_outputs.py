@@ -86,7 +86,7 @@ def finished_run(tmp_path_factory):
     from trainer.config import Config
     config = Config(model="cifar_cnn", model_size="tiny", dataset="synthetic",
                     model_dir=str(tmp_path_factory.mktemp("run")), batch_size=16,
-                    train_steps=8, steps_per_loop=2, log_every=2, eval_every=4,
+                    eval_batch_size=256, train_steps=8, steps_per_loop=2, log_every=2, eval_every=4,
                     precision="float32", shuffle_buffer=64)
     terminal = FakeTerminal()
     with pytest.MonkeyPatch.context() as patch:  # module scope: before _no_ci applies

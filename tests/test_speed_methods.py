@@ -138,12 +138,12 @@ def test_a_frozen_variable_stops_at_its_step_and_nothing_else_changes(replicas):
     strategy = mirrored() if replicas == 2 else None
     free = _frozen_run("", 4, strategy)
     frozen = _frozen_run("alp*=2", 4, strategy)  # frozen from optimizer step 2
-    for step in range(4):
-        np.testing.assert_array_equal(frozen[step][1], free[step][1])  # the kernel
-    for step in (0, 1):
-        np.testing.assert_array_equal(frozen[step][0], free[step][0])
-    for step in (2, 3):
-        np.testing.assert_array_equal(frozen[step][0], frozen[1][0])
+    for i in range(4):
+        np.testing.assert_array_equal(frozen[i][1], free[i][1])  # the kernel
+    for i in (0, 1):
+        np.testing.assert_array_equal(frozen[i][0], free[i][0])
+    for i in (2, 3):
+        np.testing.assert_array_equal(frozen[i][0], frozen[1][0])
     assert not np.array_equal(free[3][0], free[1][0])
     # Without --decay_vectors the vector is not decayed, frozen or not.
     plain, plain_frozen = _frozen_run("", 2, decay_vectors=False), _frozen_run(
@@ -345,7 +345,9 @@ def _airbench_config(tiny_config, **changes):
         eval_every=8, checkpoint_every=4, optimizer="sgd", momentum=0.85,
         learning_rate=0.2, lr_schedule="linear", warmup_epochs=0.0, weight_decay=5e-3,
         lr_multipliers="*/beta=64", augment="translate", alternating_flip=True,
-        lookahead_every=3, deterministic=True, **changes).with_settings(
+        lookahead_every=3, deterministic=True,
+        freeze_after_epochs="whiten/*=0.005",  # at step 3 of 625 an epoch
+        **changes).with_settings(
             label_smoothing=0.2, tta_flip=True, tta_translate=True)
 
 

@@ -74,7 +74,7 @@ def test_a_tasks_step_compiles_with_xla_and_matches_the_plain_step(
     """A TPU compiles everything: each task's step (classification's with SAM)
     under jit_compile=True gives the plain step's weights. (Models without
     dropout: XLA draws other random numbers.)"""
-    config = _config(tiny_config.replace(model="resnet"), task, teacher_dir)
+    config = _config(tiny_config.replace(model="convnet"), task, teacher_dir)
     from data import sources
     spec = sources.get_spec(config.dataset)
     plan = build.plan(config, spec, 1)
@@ -135,8 +135,8 @@ def test_classification_through_the_task_seam_is_bitwise_as_before(case, tmp_pat
     from trainer import config as config_lib
     values, expected = BEFORE_TASKS[case]
     config = config_lib.from_dict(dict(
-        model_size="tiny", dataset="synthetic", batch_size=16, train_steps=6,
-        steps_per_loop=2, log_every=2, eval_every=6, checkpoint_every=6,
+        model_size="tiny", dataset="synthetic", batch_size=16, eval_batch_size=256,
+        train_steps=6, steps_per_loop=2, log_every=2, eval_every=6, checkpoint_every=6,
         precision="float32", shuffle_buffer=64, deterministic=True,
         model_dir=str(tmp_path / "run"), **values))
     assert loop.train_and_evaluate(config)["weights_sha256"] == expected

@@ -41,13 +41,17 @@ class Plan:
                               f"--grad_accum_steps={config.grad_accum_steps} micro-batches; "
                               f"use a batch size that is a multiple of "
                               f"{num_replicas * config.grad_accum_steps}")
+        eval_batch = config.eval_batch_size or config.batch_size
+        if eval_batch % num_replicas:
+            raise ConfigError(f"--eval_batch_size={eval_batch} does not divide by the "
+                              f"{num_replicas} replicas; use a multiple of {num_replicas}")
         steps_per_epoch = train_examples // config.batch_size
         if steps_per_epoch == 0:
             raise ConfigError(f"--batch_size={config.batch_size} is larger than the "
                               f"{train_examples} training examples; lower it")
         total = config.train_steps or config.epochs * steps_per_epoch
         return cls(train_examples, eval_examples, steps_per_epoch, total,
-                   pipeline.eval_steps(eval_examples, config.batch_size), per_replica)
+                   pipeline.eval_steps(eval_examples, eval_batch), per_replica)
 
 
 def dataset_spec(config: Config) -> sources.DatasetSpec:

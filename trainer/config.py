@@ -72,6 +72,9 @@ class Config:
                        "checkpoint resumes from it.")
     # --- optimization ---
     batch_size: int = _(1024, "GLOBAL batch size, split evenly across all replicas.")
+    eval_batch_size: int = _(0, "GLOBAL batch size of evaluation (0: --batch_size). "
+                             "Evaluation is exact at any size (the last batch is "
+                             "padded and masked).")
     epochs: int = _(50, "Epochs to train (see --train_steps).")
     train_steps: int = _(0, "If > 0: steps to train, overriding --epochs.")
     optimizer: str = _("adam", f"Any optimizer Keras ships: {_choices(optimizers.names())} "
@@ -296,7 +299,7 @@ def validate(config: Config, model_names, dataset_names) -> Config:
         problem = non_finite(name, value)  # nan < 0 is False: no range check sees it
         if problem:
             raise ConfigError(problem)
-    for name in ("epochs", "train_steps", "warmup_epochs", "weight_decay",
+    for name in ("epochs", "train_steps", "eval_batch_size", "warmup_epochs", "weight_decay",
                  "sustain_epochs", "min_learning_rate", "log_every", "eval_every",
                  "checkpoint_every", "shuffle_buffer", "image_size", "clip_grad_norm",
                  "mixup_alpha", "cutmix_alpha", "lookahead_every", "sam_rho"):

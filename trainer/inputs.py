@@ -175,7 +175,7 @@ def eval_input_fn(config: Config, spec: sources.DatasetSpec, cache: bool = True)
     cache=False reads (and decodes) it again at every evaluation."""
     def eval_fn(context):
         ds, n = sources.load(spec, spec.eval_split, config.data_dir, config.download_data)
-        return pipeline.make_eval(ds, n, context, config.batch_size,
+        return pipeline.make_eval(ds, n, context, config.eval_batch_size or config.batch_size,
                                   augment.make_normalize(spec.mean, spec.std),
                                   cache=cache, prepare=_eval_prepare(config, spec))
     return eval_fn
