@@ -51,15 +51,34 @@ def mirrored() -> tf.distribute.MirroredStrategy:
     return strategy_lib.mirrored(tuple(CPUS[:2]))
 
 
+def _tiny(model_dir: str) -> Config:
+    return Config(model="cifar_cnn", model_size="tiny", dataset="synthetic",
+                  model_dir=model_dir, batch_size=16, eval_batch_size=256,
+                  train_steps=4, steps_per_loop=2, log_every=2, eval_every=4,
+                  checkpoint_every=2, precision="float32", shuffle_buffer=64)
+
+
 @pytest.fixture
 def tiny_config(tmp_path) -> Config:
     """A few steps of the tiny convnet on generated data: seconds, no files.
     (Evaluation at batch 256: 8 batches of the 2,000 test images, not 125.)"""
-    return Config(model="cifar_cnn", model_size="tiny", dataset="synthetic",
-                  model_dir=str(tmp_path / "run"), batch_size=16, eval_batch_size=256,
-                  train_steps=4,
-                  steps_per_loop=2, log_every=2, eval_every=4, checkpoint_every=2,
-                  precision="float32", shuffle_buffer=64)
+    return _tiny(str(tmp_path / "run"))
+
+
+@pytest.fixture(scope="session")
+def _finished_tiny(tmp_path_factory) -> tuple[str, dict]:
+    from trainer import loop
+    model_dir = str(tmp_path_factory.mktemp("finished_tiny") / "run")
+    return model_dir, loop.train_and_evaluate(_tiny(model_dir))
+
+
+@pytest.fixture
+def finished_tiny(_finished_tiny, tiny_config) -> dict:
+    """tiny_config's run, finished (checkpoints at steps 2 and 4), copied into
+    tiny_config.model_dir: trained once per test worker. Its final metrics."""
+    import shutil
+    shutil.copytree(_finished_tiny[0], tiny_config.model_dir)
+    return dict(_finished_tiny[1])
 
 
 def small_tfrecord_dataset(root, class_names=("a", "b"), per_class: int = 6,

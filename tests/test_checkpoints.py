@@ -34,8 +34,8 @@ def test_save_and_restore_into_a_fresh_model(tmp_path):
 
 
 @pytest.mark.long(17)  # seconds, with -n 2
-def test_run_resumes_and_continues_the_step_count(tiny_config):
-    first = loop.train_and_evaluate(tiny_config)
+def test_run_resumes_and_continues_the_step_count(tiny_config, finished_tiny):
+    first = finished_tiny  # tiny_config's run, finished
     assert first["steps"] == 4 and first["resumed_from_step"] == 0
     second = loop.train_and_evaluate(tiny_config.replace(train_steps=8))
     assert second["resumed_from_step"] == 4 and second["steps"] == 8
@@ -50,8 +50,7 @@ def _snapshot(directory):
 
 
 @pytest.mark.long(15)  # seconds, with -n 2
-def test_model_dir_of_another_model_is_refused_untouched(tiny_config):
-    loop.train_and_evaluate(tiny_config)
+def test_model_dir_of_another_model_is_refused_untouched(tiny_config, finished_tiny):
     before = _snapshot(tiny_config.model_dir)
     other = tiny_config.replace(model_size="full", train_steps=8)
     with pytest.raises(checkpoints.CheckpointError, match="holds a run with model_size"):
@@ -88,9 +87,8 @@ def _truncate(model_dir: str, step: int) -> None:
 
 @pytest.mark.long(20)  # seconds, with -n 2
 def test_truncated_newest_checkpoint_is_named_and_the_run_resumes_before_it(
-        tiny_config, caplog):
-    import logging
-    loop.train_and_evaluate(tiny_config)  # checkpoints at steps 2 and 4
+        tiny_config, finished_tiny, caplog):
+    import logging  # (finished_tiny: checkpoints at steps 2 and 4)
     _truncate(tiny_config.model_dir, 4)
     with caplog.at_level(logging.WARNING, logger="absl"):
         resumed = loop.train_and_evaluate(tiny_config.replace(train_steps=6))
@@ -100,8 +98,7 @@ def test_truncated_newest_checkpoint_is_named_and_the_run_resumes_before_it(
 
 
 @pytest.mark.long(10)  # seconds, with -n 2
-def test_no_readable_checkpoint_is_a_one_line_error(tiny_config):
-    loop.train_and_evaluate(tiny_config)
+def test_no_readable_checkpoint_is_a_one_line_error(tiny_config, finished_tiny):
     for step in (2, 4):
         _truncate(tiny_config.model_dir, step)
     with pytest.raises(checkpoints.CheckpointError,

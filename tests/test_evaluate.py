@@ -19,8 +19,9 @@ def _files(directory: str) -> dict[str, bytes]:
 
 
 @pytest.mark.long(14)  # seconds, with -n 2
-def test_latest_checkpoint_scores_what_training_scored(tiny_config, tmp_path):
-    metrics = loop.train_and_evaluate(tiny_config)
+def test_latest_checkpoint_scores_what_training_scored(tiny_config, finished_tiny,
+                                                       tmp_path):
+    metrics = finished_tiny  # what training scored
     before = _files(tiny_config.model_dir)
     records = evaluate.evaluate_checkpoints(tiny_config.model_dir, str(tmp_path / "ev"))
     assert len(records) == 1 and records[0]["step"] == 4

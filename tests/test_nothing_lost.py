@@ -30,7 +30,7 @@ TINY = ["--model_size=tiny", "--dataset=synthetic", "--batch_size=16", "--train_
 
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (a module fixture is rebuilt each time xdist returns)
 def finished(tmp_path_factory):
     """One finished tiny run (2 steps, a checkpoint at each), made once; tests copy it."""
     model_dir = tmp_path_factory.mktemp("finished") / "run"

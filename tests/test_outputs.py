@@ -80,7 +80,7 @@ def test_plain_lines_off_a_terminal(caplog):
     assert not any("\r" in line or "\x1b" in line for line in lines)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (a module fixture is rebuilt each time xdist returns)
 def finished_run(tmp_path_factory):
     """One tiny run (2 evaluations) shown on a fake terminal."""
     from trainer.config import Config
@@ -89,7 +89,7 @@ def finished_run(tmp_path_factory):
                     eval_batch_size=256, train_steps=8, steps_per_loop=2, log_every=2, eval_every=4,
                     precision="float32", shuffle_buffer=64)
     terminal = FakeTerminal()
-    with pytest.MonkeyPatch.context() as patch:  # module scope: before _no_ci applies
+    with pytest.MonkeyPatch.context() as patch:  # session scope: before _no_ci applies
         patch.delenv("CI", raising=False)
         patch.setenv("TERM", "xterm")
         metrics = loop.train_and_evaluate(config, display=terminal)

@@ -30,7 +30,7 @@ def _write_jpegs(directory, name: str, count: int, shards: int, first_index: int
     return str(directory / f"{name}*.tfrec")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (a module fixture is rebuilt each time xdist returns)
 def jpeg_dataset(tmp_path_factory):
     """120 training JPEGs in 6 files, 24 validation JPEGs apart (3 classes)."""
     root = tmp_path_factory.mktemp("jpegs")

@@ -18,7 +18,7 @@ from trainer import build, check_step, distributed, loop
 from trainer.serving import export, predict
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (a module fixture is rebuilt each time xdist returns)
 def teacher_dir(tmp_path_factory) -> str:
     return _teacher_run(tmp_path_factory.mktemp("teacher"))
 
