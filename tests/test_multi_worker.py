@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from test_main import ROOT, _main
+from test_main import ROOT
 
 # No batch-norm, no dropout, no shuffle or augmentation: global batch k holds the
 # same examples however the workers split it, so 1 and 2 workers must agree.
@@ -34,7 +34,7 @@ def _weights(checkpoint_dir: str) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.long(39)  # seconds, with -n 2
-def test_two_workers_agree_with_each_other_and_with_one_worker(tmp_path):
+def test_two_workers_agree_with_each_other_and_with_one_worker(tmp_path, run):
     two = str(tmp_path / "two")
     proc = _launch(*EXACT, f"--model_dir={two}")
     output = proc.communicate(timeout=400)[0]
@@ -47,8 +47,8 @@ def test_two_workers_agree_with_each_other_and_with_one_worker(tmp_path):
     for name in chief:  # the same weights on both workers, bit for bit
         np.testing.assert_array_equal(chief[name], other[name], err_msg=name)
     one = str(tmp_path / "one")
-    single = _main(*EXACT, f"--model_dir={one}")
-    assert single.returncode == 0, single.stderr[-2000:]
+    status, log = run(*EXACT, f"--model_dir={one}")  # one worker: in this process
+    assert status == 0, log[-2000:]
     for name, value in _weights(one).items():
         np.testing.assert_allclose(chief[name], value, rtol=1e-4, atol=1e-5,
                                    err_msg=name)
