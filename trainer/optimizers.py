@@ -123,7 +123,8 @@ def parse_options(name: str, text: str) -> dict:
                                         "--optimizer_options", name)
 
 
-def parse_patterns(text: str, flag: str, what: str = "FACTOR") -> list[tuple[str, float]]:
+def parse_patterns(text: str, flag: str, what: str = "FACTOR",
+                   example: str = "*/beta=64") -> list[tuple[str, float]]:
     """'*/beta=64,whiten/*=0' -> [('*/beta', 64.0), ('whiten/*', 0.0)]; ValueError
     naming `flag` if malformed or a value is negative."""
     pairs = []
@@ -135,7 +136,7 @@ def parse_patterns(text: str, flag: str, what: str = "FACTOR") -> list[tuple[str
             pattern = ""
         if not pattern or pairs[-1][1] < 0:
             raise ValueError(f"{flag}: {item!r} is not PATTERN={what} with a "
-                             f"{what.lower()} >= 0 (e.g. '*/beta=64')")
+                             f"{what.lower()} >= 0 (e.g. '{example}')")
     return pairs
 
 
@@ -207,7 +208,7 @@ def create(name: str, learning_rate, variables, weight_decay: float = 0.0,
                  if weight_decay and not decay_vectors else [])
     if freeze_text:
         epochs = per_variable(variables, parse_patterns(freeze_text, "--freeze_after_epochs",
-                                                        "EPOCHS"),
+                                                        "EPOCHS", "whiten/*=3"),
                               None, "--freeze_after_epochs")
         steps = [None if e is None else round(e * steps_per_epoch) for e in epochs]
         decayed = [bool(optimizer.weight_decay) and s is not None
