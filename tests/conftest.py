@@ -16,6 +16,24 @@ tf.config.set_logical_device_configuration(
     _CPU, [tf.config.LogicalDeviceConfiguration()] * 2)
 CPUS = [d.name for d in tf.config.list_logical_devices("CPU")]
 
+# Grappler's graph rewrites (remapper, constant folding, layout, ...) preserve what a
+# graph computes and cost ~2 s of every tiny in-process run's 7.5 (a third of the
+# suite's CPU). In-process tests check what our code computes, so they skip them;
+# every test that starts `trainer.main` or another command as a process (the kill,
+# multi-worker, CLI and benchmark tests) runs with TensorFlow's defaults, as users do.
+_NO_GRAPPLER = {"disable_meta_optimizer": True}
+tf.config.optimizer.set_experimental_options(_NO_GRAPPLER)
+
+
+@pytest.fixture
+def grappler():
+    """TensorFlow's default graph rewrites for one test: a test that compares
+    weights bit for bit with a hash recorded by a normal run (the rewrites keep what
+    a graph computes, not its rounding)."""
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": False})
+    yield
+    tf.config.optimizer.set_experimental_options(_NO_GRAPPLER)
+
 
 def pytest_collection_modifyitems(items):
     """The long tests first, longest first (`@pytest.mark.long(seconds)`): with 2
@@ -112,23 +130,40 @@ def classification(**settings):
 
 
 @pytest.fixture
-def run(capsys, caplog):
-    """trainer.main in this process, as the command line runs it (its flag parser,
-    then main): run(*flags) -> (exit status, stderr and the log)."""
-    def run(*args) -> tuple[int, str]:
+def command(capsys, caplog):
+    """A command in this process, as its command line runs it (trainer.main's flag
+    parser, which every command shares, then the command's main):
+    command("trainer.tools.benchmark", *flags) -> (exit status, stdout, stderr and
+    the log). The process's start-up (TensorFlow's import, its first traces) is paid
+    once per test worker instead of once per test."""
+    def command(module_name: str, *args: str) -> tuple[int, str, str]:
+        import importlib
         from absl.testing import flagsaver
         from trainer import main as main_lib
-        main_lib.define_flags()
+        module = importlib.import_module(module_name)
+        module.define_flags()
         status = 0
         caplog.clear()
+        capsys.readouterr()
         with flagsaver.flagsaver(), caplog.at_level(logging.INFO, logger="absl"):
             try:
-                main_lib.parse_flags(["trainer.main", *args, "--verbosity=0"])
-                main_lib.main(["trainer.main"])
+                main_lib.parse_flags([module_name, *args, "--verbosity=0"])
+                module.main([module_name])
             except SystemExit as exit_:
-                status = exit_.code
+                status = exit_.code or 0
         log = "\n".join(record.getMessage() for record in caplog.records)
-        return status, log + "\n" + capsys.readouterr().err
+        out, err = capsys.readouterr()
+        return status, out, log + "\n" + err
+    return command
+
+
+@pytest.fixture
+def run(command):
+    """trainer.main in this process (`command`): run(*flags) -> (exit status, stderr
+    and the log)."""
+    def run(*args) -> tuple[int, str]:
+        status, _, log = command("trainer.main", *args)
+        return status, log
     return run
 
 

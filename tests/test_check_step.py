@@ -4,8 +4,6 @@ loss divided per replica, a metric with the wrong weight, SAM with this replica'
 gradient norm, a teacher run in training mode)."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import tensorflow as tf
@@ -15,7 +13,6 @@ import models
 from trainer import check_step, step
 from trainer.tasks import distill
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _check(config):
@@ -130,12 +127,10 @@ def test_a_model_built_with_operators_is_checkable():
 
 
 @pytest.mark.long(17)  # seconds, with -n 2
-def test_command_prints_pass_and_exits_0():
-    result = subprocess.run(
-        [sys.executable, "-m", "trainer.check_step", "--model=cifar_cnn",
-         "--model_size=tiny", "--dataset=synthetic", "--batch_size=16", "--check_steps=2",
-         "--clip_grad_norm=0.5", "--grad_accum_steps=2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
-    assert "PASS: decided by" in result.stdout and "grad_norm" in result.stdout
+def test_command_prints_pass_and_exits_0(command):
+    status, stdout, log = command(
+        "trainer.check_step", "--model=cifar_cnn", "--model_size=tiny",
+        "--dataset=synthetic", "--batch_size=16", "--check_steps=2",
+        "--clip_grad_norm=0.5", "--grad_accum_steps=2")
+    assert status == 0, stdout + log[-2000:]
+    assert "PASS: decided by" in stdout and "grad_norm" in stdout

@@ -67,7 +67,7 @@ def test_no_checkpoint_is_a_one_line_error(tiny_config, capsys):
 
 
 @pytest.mark.long(35)  # seconds, with -n 2
-def test_watch_follows_a_running_training_to_its_end(tmp_path):
+def test_watch_follows_a_running_training_to_its_end(tmp_path, command):
     model_dir = tmp_path / "run"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     trainer = subprocess.Popen(
@@ -78,13 +78,12 @@ def test_watch_follows_a_running_training_to_its_end(tmp_path):
     deadline = time.time() + 120
     while not (model_dir / "run_config.json").exists() and time.time() < deadline:
         time.sleep(0.2)
-    watcher = subprocess.run(
-        [sys.executable, "-m", "trainer.evaluate", f"--model_dir={model_dir}", "--watch",
-         "--timeout=120", f"--output_dir={tmp_path}/watch"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # The watcher in this process, the trainer in its own (as a user runs them).
+    status, _, log = command("trainer.evaluate", f"--model_dir={model_dir}", "--watch",
+                             "--timeout=120", f"--output_dir={tmp_path}/watch")
     trainer_err = trainer.communicate(timeout=300)[1]
     assert trainer.returncode == 0, trainer_err[-2000:]
-    assert watcher.returncode == 0, watcher.stderr[-2000:]
+    assert status == 0, log[-2000:]
     records = json.loads((tmp_path / "watch" / evaluate.EVALUATIONS_FILE).read_text())
     steps = [r["step"] for r in records["evaluations"]]
     assert steps == sorted(steps) and len(steps) >= 2 and steps[-1] == 150

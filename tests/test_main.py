@@ -209,26 +209,27 @@ def test_recipe_defaults_yield_to_explicit_flags():
     assert (config.lr_schedule, config.epochs, config.warmup_epochs) == ("rampup", 12, 5.0)
 
 
-def test_corrupt_tfrecord_stops_the_run_naming_the_file(tmp_path):
+def test_corrupt_tfrecord_stops_the_run_naming_the_file(tmp_path, run):
     path = small_tfrecord_dataset(tmp_path)
     data = bytearray(open(path, "rb").read())
     data[40:60] = b"\xff" * 20
     open(path, "wb").write(bytes(data))
-    result = _main("--model=convnet", "--model_size=tiny", f"--dataset=tfrecord:{path}",
-                   "--batch_size=4", "--train_steps=2", f"--model_dir={tmp_path}/run")
-    assert result.returncode == 2, result.stderr[-1500:]
-    assert f"corrupt or truncated TFRecord file {path}" in result.stderr
+    status, log = run("--model=convnet", "--model_size=tiny", f"--dataset=tfrecord:{path}",
+                      "--batch_size=4", "--train_steps=2", f"--model_dir={tmp_path}/run")
+    assert status == 2, log[-1500:]
+    assert f"corrupt or truncated TFRecord file {path}" in log
 
 
 @pytest.mark.long(12)  # seconds, with -n 2
-def test_trains_on_the_codelab_tfrecords_as_they_are(tmp_path):
+def test_trains_on_the_codelab_tfrecords_as_they_are(tmp_path, run):
     """Shards in the flowers codelab's layout: no dataset.json, no index feature."""
     from test_tfrecords import CODELAB_CLASSES, _codelab_files
     _codelab_files(str(tmp_path / "flowers"), [6, 6, 6, 6])
-    result = _main(*TINY, f"--dataset=tfrecord:{tmp_path}/flowers*.tfrec", "--batch_size=4",
-                   "--train_steps=2", "--image_size=32", f"--model_dir={tmp_path}/run")
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "Evaluation split: the last 15% of the files" in result.stderr
+    status, log = run(*TINY, f"--dataset=tfrecord:{tmp_path}/flowers*.tfrec",
+                      "--batch_size=4", "--train_steps=2", "--image_size=32",
+                      f"--model_dir={tmp_path}/run")
+    assert status == 0, log[-2000:]
+    assert "Evaluation split: the last 15% of the files" in log
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["test_examples"] == 6  # the last file, whole
     kept = json.loads((tmp_path / "run" / "dataset.json").read_text())

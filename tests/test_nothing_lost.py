@@ -195,7 +195,8 @@ def test_the_lock_works_on_a_filesystem_without_exclusive_create(monkeypatch):
 
 
 @pytest.mark.long(27)  # seconds, with -n 2
-def test_two_trainers_on_one_directory_one_trains_and_a_kill_9_needs_no_cleanup(tmp_path):
+def test_two_trainers_on_one_directory_one_trains_and_a_kill_9_needs_no_cleanup(tmp_path,
+                                                                                run):
     model_dir = tmp_path / "run"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     args = [sys.executable, "-m", "trainer.main", *TINY, "--train_steps=100000",
@@ -207,22 +208,21 @@ def test_two_trainers_on_one_directory_one_trains_and_a_kill_9_needs_no_cleanup(
         while not list(model_dir.glob("ckpt-*.index")) and time.time() < deadline:
             time.sleep(0.2)
         config_before = (model_dir / "run_config.json").read_text()
-        second = subprocess.run([*args, "--learning_rate=0.5", "--seed=3"], cwd=ROOT,
-                                env=env, capture_output=True, text=True, timeout=120)
+        # The second and third trainers in this process (the first holds the lock).
+        status, log = run(*args[3:], "--learning_rate=0.5", "--seed=3")
         assert first.poll() is None, "the first run ended; make it longer"
     finally:
         first.kill()  # kill -9: it leaves its lock
         first.wait()
-    assert second.returncode == 2, second.stderr[-1500:]
-    line = second.stderr.strip().splitlines()[-1]
+    assert status == 2, log[-1500:]
+    line = log.strip().splitlines()[-1]
     assert line.startswith(f"error: {model_dir} is in use by trainer.main (host "), line
-    assert f"pid {first.pid}" in line and "Traceback" not in second.stderr
+    assert f"pid {first.pid}" in line and "Traceback" not in log
     assert (model_dir / "run_config.json").read_text() == config_before
     assert (model_dir / locks.LOCK_FILE).exists()  # left by the kill -9
-    third = subprocess.run([*args[:-2], "--train_steps=4", f"--model_dir={model_dir}"],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert third.returncode == 0, third.stderr[-1500:]
-    assert "taking over the stale lock" in third.stderr and "Resumed from" in third.stderr
+    status, log = run(*args[3:-2], "--train_steps=4", f"--model_dir={model_dir}")
+    assert status == 0, log[-1500:]
+    assert "taking over the stale lock" in log and "Resumed from" in log
     assert not _leftovers(model_dir)
 
 

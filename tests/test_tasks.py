@@ -129,7 +129,8 @@ def _cpu_model() -> str:
 
 @pytest.mark.long(26)  # seconds, with -n 2
 @pytest.mark.parametrize("case", sorted(BEFORE_TASKS))
-def test_classification_through_the_task_seam_is_bitwise_as_before(case, tmp_path):
+def test_classification_through_the_task_seam_is_bitwise_as_before(case, tmp_path,
+                                                                   grappler):
     if (_cpu_model(), tf.__version__) != REFERENCE_MACHINE:
         pytest.skip(f"the reference was recorded on {REFERENCE_MACHINE}")
     from trainer import config as config_lib
