@@ -70,3 +70,28 @@ def test_peer_benchmark_table_has_each_run_the_means_and_the_ratios():
     assert table.count("\n| peer | 0 |") == 1 and table.count("\n| ours |") == 2
     assert "| **ours, mean** | 2 | 84 ± 1.4% | 240 ± 0 |" in table
     assert "ours/peer images per second: 0.50; ours - peer test accuracy: +0.00 points" in table
+
+
+def test_conv_benchmark_reads_onednns_lines_and_counts_repeated_layers():
+    from trainer.tools import conv_benchmark
+    shapes = conv_benchmark.layers([64, 256, 256])
+    assert shapes == [(31, 24, 64), (15, 64, 64), (15, 64, 256), (7, 256, 256),
+                      (7, 256, 256), (3, 256, 256)]
+    problem = "mb8_ic256oc256_ih7oh7kh3sh1dh0ph1_iw7ow7kw3sw1dw0pw1"
+
+    def exec_line(direction, ms):
+        return (f"onednn_verbose,v1,primitive,exec,cpu,convolution,jit_bf16:avx512_core_bf16,"
+                f"{direction},src:bf16::blocked:acdb::f0,,alg:convolution_direct,"
+                f"{problem},{ms}")
+    output = "\n".join([
+        "onednn_verbose,v1,info,oneDNN v3.7.3 (commit N/A)",
+        "onednn_verbose,v1,info,cpu,runtime:threadpool,nthr:2",
+        "unrelated line",
+        *(exec_line("backward_weights", ms) for ms in (90, 80, 10, 12, 11)),
+    ])
+    parsed = conv_benchmark.parse_verbose(output)
+    assert parsed["version"] == "v3.7.3" and parsed["runtime"] == "threadpool"
+    assert parsed["ms"] == {("backward_weights", problem): 11}  # warm-up left out
+    table = conv_benchmark.table({"tf": parsed, "torch": parsed}, [(7, 256, 256)] * 2, 8)
+    assert "| 7x7 256->256 (x2) | backward_weights | 11.0 | 11.0 | 1.00 |" in table
+    assert "| **all six** | backward_weights | 22.0 | 22.0 | 1.00 |" in table
