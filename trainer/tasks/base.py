@@ -176,8 +176,7 @@ class Task:
         if samples is None or not self.draws_samples():
             return {}
         figure = figures.new_figure(len(samples["image"]) * self.tiles_per_sample)
-        self.draw_samples(figure, samples)
-        figure.suptitle(title)
+        self.draw_samples(figures.titled(figure, title), samples)
         return {"predictions": figure}
 
     # --- shared helpers -----------------------------------------------------------
