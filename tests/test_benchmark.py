@@ -1,29 +1,23 @@
-"""The benchmark script runs and reports every case (never a speed: timing is noisy)."""
+"""The benchmark command runs and reports every case (never a speed: timing is
+noisy). It runs in this process, with its own flag parsing (conftest's `command`)."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from trainer.tools import benchmark
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _benchmark(*args):
-    return subprocess.run([sys.executable, "-m", "trainer.tools.benchmark", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+BENCHMARK = "trainer.tools.benchmark"
 
 
 @pytest.mark.long(32)  # seconds, with -n 2
-def test_benchmark_reports_every_case_with_flops(tmp_path):
+def test_benchmark_reports_every_case_with_flops(tmp_path, command):
     output = tmp_path / "bench.json"
-    result = _benchmark("--model=cifar_cnn", "--model_size=tiny", "--dataset=synthetic",
-                        "--batch_size=16", "--steps=2", "--rounds=1", "--steps_per_loop=1",
-                        "--precision=float32", "--peak_size=256", f"--output={output}")
-    assert result.returncode == 0, result.stderr[-2000:]
+    status, stdout, log = command(
+        BENCHMARK, "--model=cifar_cnn", "--model_size=tiny", "--dataset=synthetic",
+        "--batch_size=16", "--steps=2", "--rounds=1", "--steps_per_loop=1",
+        "--precision=float32", "--jit_compile=false", "--peak_size=256",
+        f"--output={output}")
+    assert status == 0, log[-2000:]
     measured = json.loads(output.read_text())
     names = [row["name"] for row in measured["rows"]]
     assert names == ["ours", "model.fit", "ours, real input pipeline",
@@ -31,17 +25,18 @@ def test_benchmark_reports_every_case_with_flops(tmp_path):
     assert all(row["images_per_second"] > 0 for row in measured["rows"])
     assert measured["training_flops_per_image"] > 0 and measured["replicas"] == 1
     assert set(measured["peak_flops"]) == {"float32", "mixed_bfloat16"}
-    assert result.stdout.count("\n| ") == 8  # header, rule and 6 cases
+    assert stdout.count("\n| ") == 8  # header, rule and 6 cases
 
 
 @pytest.mark.long(16)  # seconds, with -n 2
-def test_two_cpu_replicas_run_ours_and_fit_side_by_side(tmp_path):
+def test_two_cpu_replicas_run_ours_and_fit_side_by_side(tmp_path, command):
     output = tmp_path / "bench.json"
-    result = _benchmark("--model=cifar_cnn", "--model_size=tiny", "--dataset=synthetic",
-                        "--batch_size=16", "--steps=2", "--rounds=1", "--cases=fit,xla",
-                        "--precision=float32", "--peak_size=256", "--cpu_replicas=2",
-                        f"--output={output}")
-    assert result.returncode == 0, result.stderr[-2000:]
+    status, _, log = command(
+        BENCHMARK, "--model=cifar_cnn", "--model_size=tiny", "--dataset=synthetic",
+        "--batch_size=16", "--steps=2", "--rounds=1", "--cases=fit,xla",
+        "--precision=float32", "--jit_compile=false", "--peak_size=256",
+        "--cpu_replicas=2", f"--output={output}")
+    assert status == 0, log[-2000:]
     measured = json.loads(output.read_text())
     assert measured["replicas"] == 2  # XLA is left out: it fails on 2 CPU devices
     assert [row["name"] for row in measured["rows"]] == ["ours", "model.fit"]
@@ -53,10 +48,10 @@ def test_cases_subset_keeps_the_baseline_first():
     assert chosen[1].precision == "float32"
 
 
-def test_unknown_case_is_a_usage_error():
-    result = _benchmark("--cases=ours,speed")
-    assert result.returncode == 2
-    assert "unknown --cases speed" in result.stderr
+def test_unknown_case_is_a_usage_error(command):
+    status, _, log = command(BENCHMARK, "--cases=ours,speed")
+    assert status == 2
+    assert "unknown --cases speed" in log
 
 
 def test_peer_benchmark_table_has_each_run_the_means_and_the_ratios():

@@ -16,6 +16,7 @@ Prints a Markdown table and writes JSON (--output). --cpu_replicas=2 runs our ca
 on 2 logical CPU devices (MirroredStrategy; model.fit then runs on the same strategy).
 """
 import dataclasses
+import functools
 import statistics
 import sys
 import time
@@ -242,23 +243,29 @@ def _wait(row: dict) -> str:
 
 
 def define_flags() -> None:
-    flags.DEFINE_string("model", "cifar_cnn", f"Model: {'|'.join(models.names())}.")
-    flags.DEFINE_enum("model_size", "full", ["full", "tiny"], "tiny: the test variant.")
-    flags.DEFINE_string("dataset", "cifar10", "Dataset, as trainer.main's --dataset.")
-    flags.DEFINE_integer("batch_size", 1024, "Global batch size.")
-    flags.DEFINE_integer("image_size", 0, "Square image size (0: the dataset's).")
-    flags.DEFINE_string("precision", "auto", "auto|float32|mixed_bfloat16|mixed_float16.")
-    flags.DEFINE_enum("jit_compile", "false", ["true", "false"], "XLA for every case.")
-    flags.DEFINE_integer("steps_per_loop", 10, "Steps per tf.function call (ours).")
-    flags.DEFINE_integer("steps", 10, "Steps per timed round.")
-    flags.DEFINE_integer("rounds", 3, "Timed rounds (the table shows the median).")
-    flags.DEFINE_integer("cpu_replicas", 1, "Split the CPU into N devices and run N "
-                         "replicas (MirroredStrategy) for every case.")
-    flags.DEFINE_string("data_dir", None, "TFDS data dir.")
-    flags.DEFINE_integer("peak_size", 2048, "Matmul size for the peak FLOP/s.")
-    flags.DEFINE_list("cases", list(CASE_KEYS), "Subset of " + ",".join(CASE_KEYS) +
-                      " (ours always runs: it is the baseline).")
-    flags.DEFINE_string("output", "", "JSON file to write.")
+    """The benchmark's flags (cli.define_flag: in a process that also loaded
+    trainer.main, as the tests do, the names they share are trainer.main's)."""
+    define = functools.partial(cli.define_flag, FLAGS)
+    define(flags.DEFINE_string, "model", "cifar_cnn", f"Model: {'|'.join(models.names())}.")
+    define(flags.DEFINE_enum, "model_size", "full", "tiny: the test variant.",
+           enum_values=["full", "tiny"])
+    define(flags.DEFINE_string, "dataset", "cifar10", "Dataset, as trainer.main's --dataset.")
+    define(flags.DEFINE_integer, "batch_size", 1024, "Global batch size.")
+    define(flags.DEFINE_integer, "image_size", 0, "Square image size (0: the dataset's).")
+    define(flags.DEFINE_string, "precision", "auto",
+           "auto|float32|mixed_bfloat16|mixed_float16.")
+    define(flags.DEFINE_enum, "jit_compile", "false", "XLA for every case.",
+           enum_values=["true", "false"])
+    define(flags.DEFINE_integer, "steps_per_loop", 10, "Steps per tf.function call (ours).")
+    define(flags.DEFINE_integer, "steps", 10, "Steps per timed round.")
+    define(flags.DEFINE_integer, "rounds", 3, "Timed rounds (the table shows the median).")
+    define(flags.DEFINE_integer, "cpu_replicas", 1, "Split the CPU into N devices and run "
+           "N replicas (MirroredStrategy) for every case.")
+    define(flags.DEFINE_string, "data_dir", None, "TFDS data dir.")
+    define(flags.DEFINE_integer, "peak_size", 2048, "Matmul size for the peak FLOP/s.")
+    define(flags.DEFINE_list, "cases", list(CASE_KEYS), "Subset of " + ",".join(CASE_KEYS)
+           + " (ours always runs: it is the baseline).")
+    define(flags.DEFINE_string, "output", "", "JSON file to write.")
 
 
 def main(argv: list[str]) -> None:
