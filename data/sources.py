@@ -25,6 +25,7 @@ flowers codelab's as they are (no dataset.json, no `index` feature):
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 from typing import Callable
@@ -130,6 +131,27 @@ def _tfds_dir(data_dir: str | None) -> str | None:
     return data_dir or os.environ.get("TFDS_DATA_DIR") or None
 
 
+class _NoVariantScanWarnings(logging.Filter):
+    """Drops TFDS' 'Variant folder DIR has no dataset_info.json': it warns so for each
+    version folder it looks for in a data dir that lacks the dataset, before our one
+    error line (not_prepared) says where we looked and how to prepare it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Variant folder")
+
+
+_VARIANT_SCAN_FILTER = _NoVariantScanWarnings()
+
+
+def _tfds():
+    """tensorflow_datasets: a heavy import, only when TFDS is used."""
+    import tensorflow_datasets as tfds
+    absl_logger = logging.getLogger("absl")  # where TFDS' absl.logging goes
+    if _VARIANT_SCAN_FILTER not in absl_logger.filters:
+        absl_logger.addFilter(_VARIANT_SCAN_FILTER)
+    return tfds
+
+
 def tfds_spec(name: str, data_dir: str | None = None, train_split: str = "",
               eval_split: str = "") -> DatasetSpec:
     """Any TFDS image-classification dataset, from its own DatasetInfo: its classes
@@ -139,7 +161,7 @@ def tfds_spec(name: str, data_dir: str | None = None, train_split: str = "",
     train at VARIABLE_SIZE with ImageNet's crop; fixed small ones with pad-crop-flip.
     The data need not be prepared yet (tfds.testing.mock_data has none): a missing
     dataset is a one-line error when it is read (load_tfds)."""
-    import tensorflow_datasets as tfds  # heavy import, only when TFDS is used
+    tfds = _tfds()
     data_dir = _tfds_dir(data_dir)
     try:
         builder = tfds.builder(name, data_dir=data_dir)
@@ -433,7 +455,7 @@ def record_files(spec: DatasetSpec, split: str, data_dir: str | None = None
 
 def _tfds_record_files(spec: DatasetSpec, split: str, data_dir: str | None,
                        validation: bool, channels: int) -> RecordFiles | None:
-    import tensorflow_datasets as tfds
+    tfds = _tfds()
     try:
         builder = tfds.builder(spec.name, data_dir=_tfds_dir(data_dir))
         instructions = builder.info.splits[split].file_instructions
@@ -534,7 +556,7 @@ def holdout(ds: tf.data.Dataset, total: int, fraction: float,
 def load_tfds(name: str, split: str, data_dir: str | None = None,
               download: bool = False) -> tuple[tf.data.Dataset, int]:
     """tfds.load honouring data_dir, then TFDS_DATA_DIR; a clear error if absent."""
-    import tensorflow_datasets as tfds  # heavy import, only when TFDS is used
+    tfds = _tfds()
     data_dir = _tfds_dir(data_dir)
     try:
         ds, info = tfds.load(name, split=split, data_dir=data_dir, download=download,
@@ -554,7 +576,7 @@ def load_tfds(name: str, split: str, data_dir: str | None = None,
 def not_prepared(name: str, split: str, data_dir: str | None) -> str:
     """The one line for a TFDS dataset that is not in the data dir: where we looked
     and how to prepare it."""
-    import tensorflow_datasets as tfds
+    tfds = _tfds()
     root = data_dir or os.path.expanduser("~/tensorflow_datasets")  # TFDS' default
     try:
         builder = tfds.builder(name, data_dir=data_dir)

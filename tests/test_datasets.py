@@ -40,6 +40,7 @@ def test_an_unprepared_dataset_is_one_line_naming_the_directory(run, tmp_path):
     errors = [line for line in log.splitlines() if line.startswith("error:")]
     assert status == 2 and len(errors) == 1, log
     assert f"not prepared in {empty}" in errors[0] and "tfds build cifar100" in errors[0]
+    assert "Variant folder" not in log, log  # TFDS' own warning before ours: dropped
     assert not (tmp_path / "run").exists()
 
 
