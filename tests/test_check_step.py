@@ -14,7 +14,6 @@ from trainer import check_step, step
 from trainer.tasks import distill
 
 
-
 def _check(config):
     """check_step at its defaults (3 steps, the default tolerance)."""
     result = check_step.run_check(config.replace(batch_size=16), devices=CPUS[:2])

@@ -91,9 +91,9 @@ def test_fire_module_channel_arithmetic():
 
 def test_squeezenet_default_is_the_codelab_network():
     model = models.build("squeezenet", 5, (192, 192, 3))
-    pools = [l for l in model.layers if isinstance(l, keras.layers.MaxPooling2D)]
-    norms = [l for l in model.layers if isinstance(l, keras.layers.BatchNormalization)]
-    convs = [l for l in model.layers if isinstance(l, keras.layers.Conv2D)]
+    pools = [layer for layer in model.layers if isinstance(layer, keras.layers.MaxPooling2D)]
+    norms = [layer for layer in model.layers if isinstance(layer, keras.layers.BatchNormalization)]
+    convs = [layer for layer in model.layers if isinstance(layer, keras.layers.Conv2D)]
     assert len(pools) == len(squeezenet.CODELAB_FIRES) - 1
     assert len(norms) == len(convs) == 1 + 3 * len(squeezenet.CODELAB_FIRES)
     assert all(n.momentum == 0.9 for n in norms)

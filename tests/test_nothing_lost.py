@@ -28,8 +28,6 @@ TINY = ["--model_size=tiny", "--dataset=synthetic", "--batch_size=16", "--train_
         "--steps_per_loop=2", "--log_every=2", "--precision=float32"]
 
 
-
-
 @pytest.fixture(scope="session")  # (a module fixture is rebuilt each time xdist returns)
 def finished(tmp_path_factory):
     """One finished tiny run (2 steps, a checkpoint at each), made once; tests copy it."""
