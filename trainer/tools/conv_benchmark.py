@@ -119,12 +119,13 @@ def parse_verbose(output: str) -> dict:
     return {**info, "ms": ms, "kernels": kernels}
 
 
-def run_side(side: str) -> dict:
+def run_side(side: str, widths: list[int], batch_size: int, data_format: str,
+             repeats: int) -> dict:
     """One side in its own process, oneDNN verbose; its parsed lines."""
     env = dict(os.environ, ONEDNN_VERBOSE="1", TF_CPP_MIN_LOG_LEVEL="3")
     command = [sys.executable, "-m", "trainer.tools.conv_benchmark", f"--side={side}",
-               f"--widths={','.join(FLAGS.widths)}", f"--batch_size={FLAGS.batch_size}",
-               f"--data_format={FLAGS.data_format}", f"--repeats={FLAGS.repeats}"]
+               f"--widths={','.join(map(str, widths))}", f"--batch_size={batch_size}",
+               f"--data_format={data_format}", f"--repeats={repeats}"]
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         tail = (result.stderr.strip().splitlines() or [""])[-1]
@@ -190,7 +191,8 @@ def main(argv: list[str]) -> None:
         print("torch does not import here (pip install -e \".[peer]\"): TensorFlow only",
               file=sys.stderr)
         sides.remove("torch")
-    results = {side: run_side(side) for side in sides}
+    results = {side: run_side(side, widths, FLAGS.batch_size, FLAGS.data_format,
+                              FLAGS.repeats) for side in sides}
     report = table(results, shapes, FLAGS.batch_size)
     print(report)
     print(json.dumps({side: {"version": r.get("version"), "runtime": r.get("runtime")}
