@@ -357,3 +357,86 @@ def make_mix(num_classes: int, mixup_alpha: float = 0.0,
         return None
     return functools.partial(mix, num_classes=num_classes, mixup_alpha=mixup_alpha,
                              cutmix_alpha=cutmix_alpha)
+
+
+# --- SimCLR's views (Chen et al. 2020, appendix A), batched and stateless ------------
+
+def color_jitter(images: tf.Tensor, seed: tf.Tensor, strength: float = 0.5,
+                 probability: float = 0.8) -> tf.Tensor:
+    """Per image, with `probability`: brightness, contrast and saturation factors in
+    1 +- 0.8 strength and a hue shift of +- 0.2 strength (SimCLR's jitter; CIFAR-10:
+    strength 0.5), in that fixed order (torchvision's is random). float pixels in
+    [0, 255] in and out."""
+    batch = tf.shape(images)[0]
+    coin, bright, contrast, saturation, hue = _seeds(seed, 5)
+    spread = 0.8 * strength
+
+    def factor(key):
+        return tf.random.stateless_uniform([batch, 1, 1, 1], key, 1 - spread, 1 + spread)
+    x = images / 255.0
+    jittered = tf.clip_by_value(x * factor(bright), 0.0, 1.0)
+    mean = tf.reduce_mean(tf.image.rgb_to_grayscale(jittered), axis=[1, 2, 3],
+                          keepdims=True)
+    jittered = tf.clip_by_value((jittered - mean) * factor(contrast) + mean, 0.0, 1.0)
+    grey = tf.image.rgb_to_grayscale(jittered)
+    jittered = tf.clip_by_value(grey + (jittered - grey) * factor(saturation), 0.0, 1.0)
+    hsv = tf.image.rgb_to_hsv(jittered)
+    shift = tf.random.stateless_uniform([batch, 1, 1], hue, -0.2 * strength,
+                                        0.2 * strength)
+    hsv = tf.concat([tf.math.floormod(hsv[..., :1] + shift[..., None], 1.0), hsv[..., 1:]],
+                    axis=-1)
+    jittered = tf.image.hsv_to_rgb(hsv)
+    chosen = tf.random.stateless_uniform([batch, 1, 1, 1], coin) < probability
+    return tf.where(chosen, jittered, x) * 255.0
+
+
+def random_grayscale(images: tf.Tensor, seed: tf.Tensor, probability: float = 0.2
+                     ) -> tf.Tensor:
+    """Per image, with `probability`: its grey version in every channel."""
+    chosen = tf.random.stateless_uniform([tf.shape(images)[0], 1, 1, 1], seed) < probability
+    grey = tf.image.rgb_to_grayscale(images)
+    return tf.where(chosen, tf.broadcast_to(grey, tf.shape(images)), images)
+
+
+def gaussian_blur(images: tf.Tensor, seed: tf.Tensor, probability: float = 0.5,
+                  sigma=(0.1, 2.0)) -> tf.Tensor:
+    """Per image, with `probability`: a Gaussian blur of sigma in `sigma` (pixels),
+    kernel 10% of the image's side (odd), as SimCLR's ImageNet views; one separable
+    depthwise convolution for the whole batch (the images stacked as channels).
+    Needs a static batch size."""
+    batch, height, width, channels = images.shape
+    coin, spread = _seeds(seed, 2)
+    radius = max(1, int(0.1 * height) // 2)
+    sigmas = tf.random.stateless_uniform([batch, 1], spread, *sigma)
+    offsets = tf.range(-radius, radius + 1, dtype=tf.float32)[None, :]
+    kernels = tf.exp(-0.5 * tf.square(offsets / sigmas))
+    kernels /= tf.reduce_sum(kernels, axis=1, keepdims=True)  # [B, K]
+    per_channel = tf.repeat(kernels, channels, axis=0)  # [B * C, K]
+    stacked = tf.reshape(tf.transpose(images, [1, 2, 0, 3]), [1, height, width, -1])
+    padded = tf.pad(stacked, [[0, 0], [radius, radius], [radius, radius], [0, 0]],
+                    mode="REFLECT")
+    vertical = tf.transpose(per_channel)[:, None, :, None]  # [K, 1, B*C, 1]
+    horizontal = tf.transpose(per_channel)[None, :, :, None]  # [1, K, B*C, 1]
+    blurred = tf.nn.depthwise_conv2d(padded, vertical, [1, 1, 1, 1], "VALID")
+    blurred = tf.nn.depthwise_conv2d(blurred, horizontal, [1, 1, 1, 1], "VALID")
+    blurred = tf.transpose(tf.reshape(blurred, [height, width, batch, channels]),
+                           [2, 0, 1, 3])
+    chosen = tf.random.stateless_uniform([batch, 1, 1, 1], coin) < probability
+    return tf.where(chosen, blurred, images)
+
+
+def simclr_view(images: tf.Tensor, seed: tf.Tensor, min_area: float = 0.08,
+                jitter_strength: float = 0.5, blur: bool = False) -> tf.Tensor:
+    """One SimCLR view of each uint8 image: a random resized crop (min_area..100%
+    of the area, aspect 3/4..4/3), a flip, colour jitter (p 0.8), grey (p 0.2) and,
+    with `blur`, a Gaussian blur (p 0.5; SimCLR's ImageNet views, not its CIFAR
+    ones). uint8 out, a pure function of `seed`."""
+    crop_seed, flip_seed, jitter_seed, grey_seed, blur_seed = _seeds(seed, 5)
+    images, _ = random_resized_crop(images, None, crop_seed, min_area=min_area,
+                                    max_aspect=CROP_ASPECT[1])
+    images, _ = flip(images, None, flip_seed)
+    pixels = color_jitter(tf.cast(images, tf.float32), jitter_seed, jitter_strength)
+    pixels = random_grayscale(pixels, grey_seed)
+    if blur:
+        pixels = gaussian_blur(pixels, blur_seed)
+    return tf.cast(tf.round(tf.clip_by_value(pixels, 0.0, 255.0)), tf.uint8)

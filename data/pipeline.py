@@ -2,8 +2,11 @@
 
 Used through `strategy.distribute_datasets_from_function`: each call builds the
 pipeline of one input worker, which yields batches of the *per-replica* size, as
-dicts: training {"image", "label"} (+ "target" when mixing), evaluation
-{"image", "label", "mask"}.
+dicts: training {"image", "label", "index"} (+ "target" when mixing; or what the
+caller's `make_batch` makes, e.g. two views, + "index"), evaluation {"image",
+"label", "index", "mask"}. "index" is each example's key, unique in the run (its
+index in the dataset where one worker reads it all, as trainer.check_step's
+pipeline does), for per-example random draws in the step.
 """
 import math
 from typing import Callable
@@ -36,12 +39,15 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
                start_step: int = 0, mix: Callable | None = None,
                end_step: int | None = None,
                alternating_flip: bool = False,
-               counts: list | None = None) -> tf.data.Dataset:
+               counts: list | None = None,
+               make_batch: Callable | None = None) -> tf.data.Dataset:
     """shard -> prepare -> cache blocks -> [per epoch: block_shuffle -> batch] -> skip to
     `start_step` -> augment -> normalize -> mix -> prefetch.
 
-    Yields {"image": float32 [B, H, W, C], "label": int32 [B]} per replica, plus
-    "target": float32 [B, num_classes] (soft targets) when `mix` is given.
+    Yields {"image": float32 [B, H, W, C], "label": int32 [B], "index": int32 [B]}
+    per replica, plus "target": float32 [B, num_classes] (soft targets) when `mix`
+    is given. make_batch(images, labels, key) -> dict replaces augment, normalize
+    and mix (a task's own batch, e.g. two views; `key` as augment's).
 
     The stream is a pure function of (seed, input pipeline, epoch, batch): each
     epoch's order is shuffled with a seed made from the epoch number, and each
@@ -99,21 +105,18 @@ def make_train(ds: tf.data.Dataset, context: tf.distribute.InputContext,
         # MultiWorkerMirroredStrategy: ~Iterator waiting on a tf.data thread).
         ds = ds.take((end_step - start_step) * per_step)
 
+    # (keys: i * pipelines + p for example i of pipeline p's shard, unique in the run)
     return augment_and_prefetch(ds, pipeline_seed, augment, normalize, mix,
-                                 alternating_flip)
+                                alternating_flip, make_batch,
+                                index_stride=context.num_input_pipelines,
+                                index_offset=context.input_pipeline_id)
 
 
-def augment_and_prefetch(ds: tf.data.Dataset, pipeline_seed: int, augment: Callable,
-                          normalize: Callable, mix: Callable | None,
-                          alternating_flip: bool) -> tf.data.Dataset:
-    """(position, images, labels, indices) batches -> the step's dicts, augmented by
-    a seed made of (pipeline seed, epoch, batch): a pure function of the position."""
-    def augment_normalize_mix(position, images, labels, indices):
-        key = tf.cast(tf.stack([pipeline_seed, position[0] * 1_000_003 + position[1]]),
-                      tf.int64)
-        if alternating_flip:
-            images = augment_lib.alternating_flip(images, indices, position[0],
-                                                  pipeline_seed)
+def standard_batch(augment: Callable, normalize: Callable,
+                   mix: Callable | None) -> Callable:
+    """make_batch(images, labels, key) of the usual training batch: augment,
+    normalize, mix -> {"image", "label"[, "target"]}."""
+    def make_batch(images, labels, key):
         if mix is None:  # the whole key, as before mixing existed: same batches bitwise
             images, labels = normalize(*augment(images, labels, key))
             return {"image": images, "label": tf.cast(labels, tf.int32)}
@@ -121,6 +124,28 @@ def augment_and_prefetch(ds: tf.data.Dataset, pipeline_seed: int, augment: Calla
         images, labels = normalize(*augment(images, labels, augment_key))
         images, targets = mix(images, labels, mix_key)
         return {"image": images, "label": tf.cast(labels, tf.int32), "target": targets}
+    return make_batch
+
+
+def augment_and_prefetch(ds: tf.data.Dataset, pipeline_seed: int, augment: Callable,
+                         normalize: Callable, mix: Callable | None,
+                         alternating_flip: bool, make_batch: Callable | None = None,
+                         index_stride: int = 1, index_offset: int = 0) -> tf.data.Dataset:
+    """(position, images, labels, indices) batches -> the step's dicts, augmented by
+    a seed made of (pipeline seed, epoch, batch): a pure function of the position.
+    make_batch(images, labels, key): the dict (default: standard_batch); each
+    example's "index" is indices * index_stride + index_offset."""
+    make_batch = make_batch or standard_batch(augment, normalize, mix)
+
+    def augment_normalize_mix(position, images, labels, indices):
+        key = tf.cast(tf.stack([pipeline_seed, position[0] * 1_000_003 + position[1]]),
+                      tf.int64)
+        if alternating_flip:
+            images = augment_lib.alternating_flip(images, indices, position[0],
+                                                  pipeline_seed)
+        batch = make_batch(images, labels, key)
+        # (int32: TPUs take it; a key, so wrapping beyond 2^31 examples is harmless)
+        return {**batch, "index": tf.cast(indices * index_stride + index_offset, tf.int32)}
 
     ds = ds.map(augment_normalize_mix, num_parallel_calls=AUTOTUNE)
     return ds.prefetch(AUTOTUNE)
@@ -189,8 +214,8 @@ def make_eval(ds: tf.data.Dataset, num_examples: int,
               context: tf.distribute.InputContext, global_batch_size: int,
               normalize: Callable, cache: bool = True,
               prepare: Callable | None = None) -> tf.data.Dataset:
-    """Exact evaluation: yields {"image", "label", "mask"} batches; padded examples
-    have mask 0 (float32), real ones 1.
+    """Exact evaluation: yields {"image", "label", "index", "mask"} batches; padded
+    examples have mask 0 (float32), real ones 1, and indices from num_examples on.
 
     Every input worker yields the same number of full batches (static shapes, as TPUs
     need), and each real example appears exactly once across all workers.
@@ -198,20 +223,22 @@ def make_eval(ds: tf.data.Dataset, num_examples: int,
     batch = per_replica_batch_size(global_batch_size, context)
     per_pipeline = eval_steps(num_examples, global_batch_size) * (
         global_batch_size // context.num_input_pipelines)
-    ds = _shard(ds, context)
+    ds = _shard(ds.enumerate(), context)  # (each example's index in the split)
     if prepare is not None:
-        ds = ds.map(prepare, num_parallel_calls=AUTOTUNE)
+        ds = ds.map(lambda index, example: (index, prepare(*example)),
+                    num_parallel_calls=AUTOTUNE)
 
-    def normalized_example(image, label):
-        image, label = normalize(image, label)
-        return {"image": image, "label": tf.cast(label, tf.int32), "mask": tf.constant(1.0)}
+    def normalized_example(index, example):
+        image, label = normalize(*example)
+        return {"image": image, "label": tf.cast(label, tf.int32),
+                "index": tf.cast(index, tf.int32), "mask": tf.constant(1.0)}
 
     ds = ds.map(normalized_example, num_parallel_calls=AUTOTUNE)
     if cache:
         ds = ds.cache()
     image = ds.element_spec["image"]
-    padding = tf.data.Dataset.from_tensors(
-        {"image": tf.zeros(image.shape, image.dtype), "label": tf.constant(0, tf.int32),
-         "mask": tf.constant(0.0)}).repeat()
+    padding = tf.data.Dataset.range(num_examples, 2**62).map(lambda index: {
+        "image": tf.zeros(image.shape, image.dtype), "label": tf.constant(0, tf.int32),
+        "index": tf.cast(index, tf.int32), "mask": tf.constant(0.0)})
     ds = ds.concatenate(padding).take(per_pipeline)
     return ds.batch(batch, drop_remainder=True).prefetch(AUTOTUNE)

@@ -65,13 +65,16 @@ def make_train_stream(files: RecordFiles, context: tf.distribute.InputContext,
                       normalize: Callable, shuffle_buffer: int, seed: int = 0,
                       start_step: int = 0, end_step: int | None = None,
                       mix: Callable | None = None, alternating_flip: bool = False,
-                      counts: list | None = None) -> tf.data.Dataset:
+                      counts: list | None = None,
+                      make_batch: Callable | None = None) -> tf.data.Dataset:
     """The training stream of one input worker; yields what pipeline.make_train
     yields, from the same (seed, position) keys.
 
     decode(image_bytes, seed) -> uint8 [H, W, C] of the run's size (the decode-time
     crop, if any, keyed by `seed`, a [2] int64 tensor made of the epoch and the
     example's index). counts: gets the examples this pipeline reads per epoch.
+    make_batch: as pipeline.make_train's. Each example's "index" is its record's
+    index in the split's files.
     """
     batch = pipeline.per_replica_batch_size(global_batch_size, context)
     mine, examples, by_index = worker_share(files, context.num_input_pipelines,
@@ -155,7 +158,7 @@ def make_train_stream(files: RecordFiles, context: tf.distribute.InputContext,
     if end_step is not None:  # finite, as make_train (threads end with the last batch)
         ds = ds.take((end_step - start_step) * per_step)
     ds = pipeline.augment_and_prefetch(ds, pipeline_seed, augment, normalize, mix,
-                                       alternating_flip)
+                                       alternating_flip, make_batch)
     options = tf.data.Options()
     options.autotune.ram_budget = RAM_BUDGET
     return ds.with_options(options)

@@ -11,6 +11,8 @@ it with one line (trainer/tasks):
   resnet_aux: also "aux_logits"); the builder takes `num_classes`.
 - IMAGE: an image of the input's shape (e.g. an autoencoder's reconstruction);
   the builder takes no `num_classes`.
+- GENERATOR: an image of `input_shape` (the data's shape) made from a latent
+  vector, its input (e.g. a GAN's generator); the builder takes no `num_classes`.
 
 Builders share one signature, `build([num_classes,] input_shape, tiny=False,
 **options)`: `tiny=True` gives a small variant of the same architecture for tests;
@@ -29,9 +31,10 @@ import tensorflow as tf
 
 Builder = Callable[..., keras.Model]
 
-LOGITS, HEADS, IMAGE = "logits", "heads", "image"
+LOGITS, HEADS, IMAGE, GENERATOR = "logits", "heads", "image", "generator"
 OUTPUT_KINDS = {LOGITS: "logits", HEADS: "a dict of heads with the main logits under "
-                "'logits'", IMAGE: "an image of the input's shape"}
+                "'logits'", IMAGE: "an image of the input's shape",
+                GENERATOR: "an image of the data's shape from a latent vector"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +154,7 @@ def build(name: str, num_classes: int | None, input_shape: tuple[int, int, int],
             raise ValueError(f"--weights={weights}: {name} takes only a .weights.h5 file "
                              f"saved from the same model")
         kwargs["backbone_weights"] = weights
-    if model_entry.outputs != IMAGE:
+    if model_entry.outputs not in (IMAGE, GENERATOR):
         kwargs["num_classes"] = num_classes
     model = model_entry.builder(input_shape=input_shape, tiny=tiny, **kwargs)
     if whole_model:
@@ -161,6 +164,20 @@ def build(name: str, num_classes: int | None, input_shape: tuple[int, int, int],
             raise ValueError(f"--weights={weights} does not fit {model.name}: "
                              f"{str(err).splitlines()[0]}") from err
     return model
+
+
+def features_of(model: keras.Model) -> keras.Model:
+    """A classifier's features: the model from its input to the input of its head
+    (the Dense layer named "logits", else its last Dense layer), sharing weights:
+    what a kNN evaluation or a Fréchet distance compares."""
+    names = {layer.name: layer for layer in model.layers}
+    head = names.get("logits")
+    if not isinstance(head, keras.layers.Dense):
+        dense = [layer for layer in model.layers if isinstance(layer, keras.layers.Dense)]
+        if not dense:
+            raise ValueError(f"{model.name} has no Dense head to take features before")
+        head = dense[-1]
+    return keras.Model(model.inputs, head.input, name=f"{model.name}_features")
 
 
 # Every model file registers itself when imported; import them all.

@@ -119,6 +119,19 @@ def small_tfrecord_dataset(root, class_names=("a", "b"), per_class: int = 6,
     return path
 
 
+def step_loop(strategy, model, optimizer, task, options, jit_compile: bool = False):
+    """The train loop of trainer/step.py's default step on (model, optimizer), as a
+    one-model TrainState made under `strategy`'s scope: (loop, state); the loop
+    advances state.step like the run's."""
+    from trainer import distributed, state as state_lib, step
+    with strategy.scope():
+        state = state_lib.single(model, optimizer)
+    loop = distributed.make_train_loop(
+        strategy, lambda batch: step.train_step(state, task, batch, options), jit_compile,
+        state=state)
+    return loop, state
+
+
 def classification(**settings):
     """The classification task with `settings` (on the synthetic dataset's spec),
     for steps called by hand."""

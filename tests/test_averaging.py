@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import classification
+from conftest import classification, step_loop
 
 from test_step import _batch, _no_bn_model
-from trainer import averaging, distributed, loop, optimizers, step
+from trainer import averaging, loop, optimizers, step
 
 
 def _train(strategy, ema_decay, steps=3):
@@ -22,8 +22,7 @@ def _train(strategy, ema_decay, steps=3):
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
     options = step.StepOptions(batch_size=8)
     task = classification()
-    distributed.make_train_loop(
-        strategy, lambda batch: step.train_step(model, optimizer, task, batch, options))(
+    step_loop(strategy, model, optimizer, task, options)[0](
         iterator, tf.constant(steps), tf.constant(0.0))
     return model, optimizer
 

@@ -33,7 +33,7 @@ def test_our_step_passes_with_batch_norm_and_dropout_in_the_model(tiny_config):
 def test_a_loss_averaged_per_replica_fails_on_the_gradient_norm(tiny_config, monkeypatch):
     # The classic bug: mean over this replica's examples, then the replicas' gradients
     # are summed, so 2 replicas train with twice the gradient.
-    monkeypatch.setattr(step, "_mean_over_global_batch",
+    monkeypatch.setattr(step, "global_mean",
                         lambda per_example_loss, options: tf.reduce_mean(per_example_loss))
     result, report = _check(tiny_config)
     assert not result.passed
@@ -46,8 +46,8 @@ def test_a_loss_averaged_per_replica_fails_on_the_gradient_norm(tiny_config, mon
 def test_a_metric_with_the_wrong_weight_fails(tiny_config, monkeypatch):
     original = step.train_step
 
-    def step_with_a_wrong_metric(model, optimizer, task, batch, options):
-        metrics = original(model, optimizer, task, batch, options)
+    def step_with_a_wrong_metric(state, task, batch, options):
+        metrics = original(state, task, batch, options)
         total, _ = metrics["loss"]
         # The loss as the step optimizes it (this replica's sum / the GLOBAL batch),
         # reported with weight 1 per replica: 2 replicas show half the loss.
@@ -64,12 +64,12 @@ def test_sam_passes_and_sam_with_this_replicas_norm_fails(tiny_config, monkeypat
     result, report = _check(config)
     assert result.passed, report
 
-    def sam_from_the_local_gradient(model, optimizer, task, batch, options, gradients,
-                                    grad_norm, finite):
+    def sam_from_the_local_gradient(objective, batch, options, gradients, grad_norm,
+                                    finite):
         # The bug: perturb along this replica's own gradient and norm (before the sum).
-        local, _ = step.replica_gradients(model, optimizer, task, batch, options)
+        local, _ = step.replica_gradients(objective, batch, options)
         scale = options.sam_rho / (tf.linalg.global_norm(local) + 1e-12)
-        gradients = step.gradient_at_offset(model, optimizer, task, batch, options,
+        gradients = step.gradient_at_offset(objective, batch, options,
                                             [scale * g for g in local], finite)
         return gradients, tf.linalg.global_norm(gradients), finite
 
@@ -99,16 +99,17 @@ def test_distillation_passes_and_a_teacher_in_training_mode_fails(tiny_config, t
     result, report = _check(config)
     assert result.passed, report
     assert {"distill_kl", "teacher_agreement"} <= set(result.metrics)  # the teacher ran
-    original_build = distill.Distill.build
+    original_create = distill.Distill.create_state
 
-    def build_a_teacher_in_training_mode(self, adapt=None):
-        original_build(self, adapt)
+    def build_a_teacher_in_training_mode(self, build):
+        state = original_create(self, build)
         teacher = self.teacher
         # The bug: the teacher's dropout on (its batch-norm, frozen with the
         # teacher, uses the moving statistics in either mode).
         self.teacher = lambda images, training: teacher(images, training=True)
+        return state
 
-    monkeypatch.setattr(distill.Distill, "build", build_a_teacher_in_training_mode)
+    monkeypatch.setattr(distill.Distill, "create_state", build_a_teacher_in_training_mode)
     result, report = _check(config)
     assert not result.passed, report
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import CPUS, mirrored, classification
+from conftest import CPUS, mirrored, classification, step_loop
 from test_main import ROOT, TINY, _main
 from test_step import _batch
-from trainer import distributed, faults, optimizers, step
+from trainer import faults, optimizers, step
 
 
 def _linear_model() -> keras.Model:
@@ -37,8 +37,7 @@ def _train(strategy, batches):
         {key: tf.stack([b[key] for b in batches]) for key in batches[0]}).repeat()
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
     options = step.StepOptions(batch_size=8)
-    loop = distributed.make_train_loop(
-        strategy, lambda batch: step.train_step(model, optimizer, classification(), batch, options))
+    loop, _ = step_loop(strategy, model, optimizer, classification(), options)
     sums, _ = loop(iterator, tf.constant(len(batches)), tf.constant(0.0))
     return model, optimizer, tf.nest.map_structure(lambda t: float(t), sums)
 
@@ -200,8 +199,7 @@ def test_a_skipped_step_leaves_batch_norm_statistics_as_they_were(replicas):
         model = bn_model()
         optimizer = optimizers.create("sgd", 0.01, model.trainable_variables, momentum=0.0)
     options = step.StepOptions(batch_size=8)
-    loop = distributed.make_train_loop(
-        strategy, lambda batch: step.train_step(model, optimizer, classification(), batch, options))
+    loop, _ = step_loop(strategy, model, optimizer, classification(), options)
     good = iter(strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensors(_batch()).repeat()))
     loop(good, tf.constant(1), tf.constant(0.0))

@@ -26,10 +26,10 @@ def test_a_metric_the_step_returns_reaches_log_tensorboard_and_metrics_json(
         tiny_config, monkeypatch, caplog):
     original = step.train_step
 
-    def step_with_a_new_metric(model, optimizer, task, batch, options):
-        metrics = original(model, optimizer, task, batch, options)
+    def step_with_a_new_metric(state, task, batch, options):
+        metrics = original(state, task, batch, options)
         # The researcher's one-line change: the mean squared logit of the batch.
-        logits = model(batch["image"], training=False)
+        logits = state.model(batch["image"], training=False)
         return {**metrics, "logit_square": (tf.reduce_sum(logits ** 2),
                                             tf.cast(tf.size(logits), tf.float32))}
 

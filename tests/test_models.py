@@ -64,6 +64,12 @@ def test_tiny_variant_outputs_what_the_model_declares(name):
     kind = models.entry(name).outputs
     model = models.build(name, 7, _shape(name), tiny=True)
     assert model.count_params() < 100_000
+    if kind == models.GENERATOR:  # an image of the data's shape, from a latent vector
+        latent = np.random.default_rng(0).normal(size=(3, *model.inputs[0].shape[1:]))
+        outputs = model(latent, training=False)
+        assert outputs.shape == (3, *_shape(name)) and outputs.dtype == "float32"
+        assert -1 <= float(np.min(outputs)) and float(np.max(outputs)) <= 1  # tanh
+        return
     images = np.random.default_rng(0).normal(size=(3, *_shape(name)))
     outputs = model(images, training=False)
     if kind == models.IMAGE:  # a reconstruction of the input, float32

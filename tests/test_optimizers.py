@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import CPUS, classification, mirrored
+from conftest import CPUS, classification, mirrored, step_loop
 from test_step import _assert_same_weights, _batch, _no_bn_model
 from trainer import distributed, optimizers, step
 from trainer.settings import message_of
@@ -19,9 +19,7 @@ def _trained(strategy, make_optimizer, steps: int = 2):
         optimizer = make_optimizer(model)
     options = step.StepOptions(batch_size=8)
     dataset = tf.data.Dataset.from_tensors(_batch()).repeat()
-    loop = distributed.make_train_loop(
-        strategy, lambda batch: step.train_step(model, optimizer, classification(),
-                                                batch, options))
+    loop, _ = step_loop(strategy, model, optimizer, classification(), options)
     loop(iter(strategy.experimental_distribute_dataset(dataset)), tf.constant(steps),
          tf.constant(0.0))
     return model

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import CPUS, mirrored, classification, stopped_then_resumed
+from conftest import CPUS, mirrored, classification, step_loop, stopped_then_resumed
 import models
 from data import augment, pipeline
 from models.layers import Dirac, PatchWhitening
-from trainer import averaging, distributed, optimizers, step
+from trainer import averaging, optimizers, step
 from trainer.config import ConfigError, validate
 
 
@@ -207,8 +207,7 @@ def _sgd_steps(strategy, weights, batches, lookahead_every=0, decay=0.9, total=5
                                lookahead_decay=decay, total_steps=total)
     dataset = tf.data.Dataset.from_tensor_slices(
         {key: tf.stack([b[key] for b in batches]) for key in batches[0]})
-    loop = distributed.make_train_loop(
-        strategy, lambda batch: step.train_step(model, optimizer, classification(), batch, options))
+    loop, _ = step_loop(strategy, model, optimizer, classification(), options)
     loop(iter(strategy.experimental_distribute_dataset(dataset)),
          tf.constant(len(batches)), tf.constant(0.0))
     if all_replicas:  # [replica][variable]: every replica's own copy

@@ -30,9 +30,28 @@ def enabled(optimizer: keras.optimizers.Optimizer) -> bool:
     return _averaging_optimizer(optimizer) is not None
 
 
+def _optimizers(state_or_optimizer) -> list:
+    """The optimizers of a TrainState, or [the optimizer]."""
+    found = getattr(state_or_optimizer, "optimizers", None)
+    if found is None:
+        return [state_or_optimizer]
+    return [o for o in found.values() if o is not None]
+
+
 @contextlib.contextmanager
-def averaged_weights(optimizer: keras.optimizers.Optimizer):
-    """Within the block the model's trainable weights hold their average; after
+def averaged_weights(state_or_optimizer):
+    """Within the block the trainable weights of every optimizer with averaging (of
+    a TrainState, or one optimizer) hold their average; after it, exactly
+    (bitwise) the raw weights again. A no-op without averaging."""
+    with contextlib.ExitStack() as stack:
+        for optimizer in _optimizers(state_or_optimizer):
+            stack.enter_context(_averaged_weights(optimizer))
+        yield
+
+
+@contextlib.contextmanager
+def _averaged_weights(optimizer: keras.optimizers.Optimizer):
+    """Within the block the optimizer's trainable weights hold their average; after
     it, exactly (bitwise) the raw weights again. A no-op without averaging.
 
     Runs eagerly in the cross-replica context: an assign there writes every
@@ -56,15 +75,14 @@ def averaged_weights(optimizer: keras.optimizers.Optimizer):
             var.assign(value)
 
 
-def evaluate_raw_and_averaged(evaluate: Callable[[], dict],
-                              optimizer: keras.optimizers.Optimizer) -> dict:
+def evaluate_raw_and_averaged(evaluate: Callable[[], dict], state_or_optimizer) -> dict:
     """`evaluate()` of the averaged weights, plus `test_<metric>_raw` for the raw
     ones' scalar metrics, so a run shows what the averaging gained. Without
     averaging: `evaluate()`."""
-    if not enabled(optimizer):
+    if not any(enabled(o) for o in _optimizers(state_or_optimizer)):
         return evaluate()
     raw = evaluate()
-    with averaged_weights(optimizer):
+    with averaged_weights(state_or_optimizer):
         averaged = evaluate()
     return {**averaged, **{f"{key}_raw": value for key, value in raw.items()
                            if key.startswith("test_") and key != "test_examples"

@@ -1,5 +1,6 @@
-"""One way to build a run: a Config becomes the task, the strategy-scoped model,
-optimizer and schedule, and the per-replica step functions.
+"""One way to build a run: a Config becomes the task, the strategy-scoped state
+the task makes (models, optimizers, the step counter: trainer/state.py), the
+schedule, and the per-replica step functions.
 
 Training (trainer/loop.py), trainer.check_step, trainer.evaluate, predict and
 export (trainer/serving/) and the benchmark all build here, so what check_step
@@ -15,6 +16,7 @@ import tensorflow as tf
 from data import pipeline, sources
 import models
 from trainer import averaging, flops, inputs, optimizers, schedules, step, tasks
+from trainer import state as state_lib
 from trainer.config import Config, ConfigError
 
 
@@ -108,18 +110,23 @@ def build_model(config: Config, spec: sources.DatasetSpec, task: tasks.Task,
 def build_optimizer(config: Config,
                     schedule: keras.optimizers.schedules.LearningRateSchedule | float,
                     model: keras.Model,
-                    precision: str = "float32", steps_per_epoch: int = 1
-                    ) -> keras.optimizers.Optimizer:
-    """The run's optimizer, built, with its learning-rate multipliers and, with
-    --lookahead_every, the Lookahead's slow weights; call under the strategy's
-    scope, after any initialisation of the weights."""
+                    precision: str = "float32", steps_per_epoch: int = 1,
+                    step_counter: tf.Variable | None = None, name: str | None = None,
+                    options: str | None = None) -> keras.optimizers.Optimizer:
+    """The run's optimizer for `model`'s trainable variables, built, with its
+    learning-rate multipliers and, with --lookahead_every, the Lookahead's slow
+    weights; call under the strategy's scope, after any initialisation of the
+    weights. step_counter: the run's step, which the schedule and the freezes read
+    (default: the optimizer's own iteration count). name, options: another
+    optimizer than --optimizer, with its own --optimizer_options-like text."""
     try:
-        optimizer = optimizers.create(config.optimizer, schedule,
-                                      model.trainable_variables, config.weight_decay,
-                                      config.momentum, precision, config.ema_decay,
-                                      config.lr_multipliers, config.optimizer_options,
-                                      config.decay_vectors, config.freeze_after_epochs,
-                                      steps_per_epoch)
+        optimizer = optimizers.create(
+            name or config.optimizer, schedules.on_step(schedule, step_counter),
+            model.trainable_variables, config.weight_decay, config.momentum, precision,
+            config.ema_decay, config.lr_multipliers,
+            config.optimizer_options if options is None else options,
+            config.decay_vectors, config.freeze_after_epochs, steps_per_epoch,
+            step_counter)
     except ValueError as err:  # bad --optimizer_options, --lr_multipliers, --freeze_...
         raise ConfigError(str(err)) from err
     if config.lookahead_every:
@@ -136,69 +143,150 @@ def init_from_data(model: keras.Model, config: Config, spec: sources.DatasetSpec
         models.init_from_data(model, inputs.init_images(config, spec))
 
 
+# What a state is built for: a task builds only what that needs (the output model
+# always). TRAIN: everything the step trains and reads; EVALUATE: what the eval
+# step reads, weights from a checkpoint; SERVE: the output model alone.
+TRAIN, EVALUATE, SERVE = "train", "evaluate", "serve"
+
+
+class StateBuilder:
+    """What `Task.create_state(build)` builds with, under the run's strategy and
+    precision: the run's models and optimizers, made the one way every command
+    makes them (so trainer.check_step can adapt every model: float64, synchronized
+    batch-norm, no dropout).
+
+    build.config, build.spec, build.plan, build.options (the StepOptions),
+    build.strategy, build.precision, build.purpose (TRAIN, EVALUATE or SERVE),
+    build.training (purpose == TRAIN)."""
+
+    def __init__(self, config: Config, spec: sources.DatasetSpec, plan: Plan | None,
+                 strategy: tf.distribute.Strategy, precision: str, purpose: str,
+                 task: tasks.Task,
+                 adapt_model: Callable[[keras.Model], keras.Model] | None = None,
+                 adapt_fixed_model: Callable[[keras.Model], keras.Model] | None = None):
+        self.config, self.spec, self.plan, self.strategy = config, spec, plan, strategy
+        self.precision, self.purpose, self.task = precision, purpose, task
+        self.training = purpose == TRAIN
+        self._adapt, self._adapt_fixed = adapt_model, adapt_fixed_model
+        self.options = (step.StepOptions.from_config(config, total_steps=plan.total_steps)
+                        if plan is not None else None)
+        self.schedule = make_schedule(config, plan) if plan is not None else None
+        self.step = state_lib.new_step_counter()  # THE step counter (under the scope)
+
+    def model(self, name: str | None = None, num_classes: int | None = None,
+              options: str | None = None, input_shape: tuple[int, ...] | None = None
+              ) -> keras.Model:
+        """A model to train. Default: --model, checked against the task, with its
+        --model_options and --weights (in training) and its layers set from the
+        data (patch whitening). `name`: another registered model (e.g. a GAN's
+        discriminator), with `options` (its --model_options-like text),
+        `num_classes` and `input_shape` (default: the run's image shape)."""
+        config, spec = self.config, self.spec
+        if name is None:
+            model = build_model(config, spec, self.task,
+                                weights=None if self.training else "none")
+            if self.training:
+                init_from_data(model, config, spec)
+        else:
+            try:
+                model = models.build(name, num_classes,
+                                     input_shape or inputs.image_shape(config, spec),
+                                     tiny=config.model_size == "tiny",
+                                     options=options or "")
+            except ValueError as err:
+                raise ConfigError(str(err)) from err
+        return self._adapt(model) if self._adapt is not None else model
+
+    def frozen(self, model: keras.Model) -> keras.Model:
+        """`model` (e.g. a teacher loaded from a finished run) used but never
+        trained: frozen, its batch-norm on its moving statistics."""
+        model = self._adapt_fixed(model) if self._adapt_fixed is not None else model
+        model.trainable = False
+        return model
+
+    def optimizer(self, model: keras.Model, learning_rate: float | None = None,
+                  name: str | None = None, options: str | None = None
+                  ) -> keras.optimizers.Optimizer | None:
+        """The run's optimizer for `model` (--optimizer and its options, the
+        --lr_schedule at the run's step, multipliers, freezes, weight decay, EMA,
+        Lookahead, loss scaling): built, slots and all. learning_rate: another peak
+        of the same schedule; name, options: another optimizer. None when the
+        state is built to serve (no optimizer is needed)."""
+        if self.purpose == SERVE:
+            return None
+        schedule = self.schedule
+        if learning_rate is not None:
+            schedule = make_schedule(self.config.replace(learning_rate=learning_rate),
+                                     self.plan)
+        return build_optimizer(self.config, schedule, model, self.precision,
+                               self.plan.steps_per_epoch, self.step, name, options)
+
+    def variable(self, initial_value, name: str, dtype=None) -> tf.Variable:
+        """An extra variable of the state (not trained by an optimizer: a queue, a
+        running statistic), saved, restored and compared with the rest."""
+        return tf.Variable(initial_value, dtype=dtype, trainable=False, name=name)
+
+    def state(self, models: dict, optimizers: dict | None = None,
+              extras: dict | None = None) -> state_lib.TrainState:
+        """The TrainState of these parts and the run's step counter and seed."""
+        optimizers = {k: v for k, v in (optimizers or {}).items() if v is not None}
+        return state_lib.TrainState(dict(models), optimizers, self.step,
+                                    self.config.seed, dict(extras or {}))
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """A built run: its task, model, optimizer, schedule and step options, and the
-    per-replica step functions the distribution wrapper runs."""
+    """A built run: its task, state (models, optimizers, step counter), schedule
+    and step options, and the per-replica step functions the distribution wrapper
+    runs."""
     config: Config
     spec: sources.DatasetSpec
-    plan: Plan
+    plan: Plan | None
     task: tasks.Task
-    model: keras.Model
-    optimizer: keras.optimizers.Optimizer
-    schedule: schedules.WarmupSchedule
-    step_options: step.StepOptions
+    state: state_lib.TrainState
+    schedule: schedules.WarmupSchedule | None
+    step_options: step.StepOptions | None
 
     def train_step(self, batch: dict) -> dict:
-        return step.train_step(self.model, self.optimizer, self.task, batch,
-                               self.step_options)
+        return self.task.train_step(self.state, batch, self.step_options)
 
     def eval_step(self, batch: dict) -> dict:
-        return step.eval_step(self.model, self.task, batch)
+        return self.task.eval_step(self.state, batch)
+
+    @property
+    def output_model(self) -> keras.Model:
+        """What the weights files, predict and export hold: the task's output model."""
+        return self.state.models[self.task.output_model]
 
 
-def build_run(config: Config, spec: sources.DatasetSpec, plan: Plan,
+def build_run(config: Config, spec: sources.DatasetSpec, plan: Plan | None,
               strategy: tf.distribute.Strategy, precision: str = "float32",
-              training: bool = True, initial_weights: list | None = None,
+              purpose: str = TRAIN,
               adapt_model: Callable[[keras.Model], keras.Model] | None = None,
               adapt_fixed_model: Callable[[keras.Model], keras.Model] | None = None
               ) -> Run:
     """Builds everything a run trains and evaluates with, under `strategy`, in the
-    mixed-precision policy `precision` (set globally, as Keras wants).
-
-    training: also set data-initialised layers (patch whitening) from the first
-    training images (unless the weights come from --weights or initial_weights) and
-    build what the task trains with (a teacher); False for evaluation, whose
-    weights come from a checkpoint. adapt_model (check_step: synchronized
-    batch-norm, no dropout, float64) is applied to the model before
-    initial_weights are set; adapt_fixed_model to the
-    models a task uses without training them (a teacher)."""
+    mixed-precision policy `precision` (set globally, as Keras wants): the task,
+    and the state its `create_state` makes for `purpose` (TRAIN: with the
+    --weights and data-initialised layers; EVALUATE: the weights come from a
+    checkpoint; SERVE: the output model alone, from a weights file; plan may then
+    be None). adapt_model (check_step: synchronized batch-norm, no dropout,
+    float64) is applied to every model the state trains, adapt_fixed_model to the
+    models it uses without training them (a teacher)."""
     keras.mixed_precision.set_global_policy(precision)
     task = make_task(config, spec)
     with strategy.scope():
-        # (evaluation: the weights come from a checkpoint, not from --weights)
-        model = build_model(config, spec, task, weights=None if training else "none")
-        if adapt_model is not None:
-            model = adapt_model(model)
-        if initial_weights is not None:
-            model.set_weights(initial_weights)
-        elif training:
-            init_from_data(model, config, spec)
-        if training:
-            task.build(adapt_fixed_model)
-        schedule = make_schedule(config, plan)  # a function of optimizer.iterations
-        optimizer = build_optimizer(config, schedule, model, precision,
-                                    plan.steps_per_epoch)
-    step_options = step.StepOptions.from_config(config, total_steps=plan.total_steps)
-    return Run(config, spec, plan, task, model, optimizer, schedule, step_options)
+        builder = StateBuilder(config, spec, plan, strategy, precision, purpose, task,
+                               adapt_model, adapt_fixed_model)
+        state = task.create_state(builder)
+    if task.output_model not in state.models:
+        raise ConfigError(f"task {task.name}'s output model {task.output_model!r} is not "
+                          f"among its state's models ({', '.join(state.models)})")
+    return Run(config, spec, plan, task, state, builder.schedule, builder.options)
 
 
 def training_flops_per_image(run: Run) -> float:
-    """The float ops of one training step per image: 3 x the model's forward pass
-    (the backward is about twice the forward), plus what the task adds (a
-    teacher's forward pass), twice over with --sam_rho (two passes a step)."""
-    config, spec = run.config, run.spec
-    model = flops.training_flops_per_image(
-        lambda: build_model(config, spec, run.task, weights="none"),
-        inputs.image_shape(config, spec))
-    return (model + run.task.extra_flops_per_image()) * (2 if config.sam_rho else 1)
+    """The float ops of one training step per example, as the task counts them
+    (Task.training_flops: by default 3 x the model's forward pass, twice over with
+    --sam_rho; a GAN's both networks, a teacher's forward pass)."""
+    return run.task.training_flops(run.state, flops.forward_flops_of, run.step_options)

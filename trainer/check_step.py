@@ -1,24 +1,38 @@
-"""Does a (changed) training step give the same result on 1 and on 2 replicas?
+"""Is a (changed) training step right on N replicas, and does it keep everything a
+run trains in step?
 
     python -m trainer.check_step --model=cifar_cnn [the flags of the run] [--check_steps=3]
 
-Builds the run exactly as training does (trainer/build.py: the task, a teacher,
-the optimizer, the schedule and the step), takes `check_steps` global batches from
-the run's own training pipeline, and trains them twice from the same initial
-weights: on 1 replica, and on 2 replicas (two logical CPU devices,
-MirroredStrategy) that split each global batch. In float64, with batch-norm
-synchronized across replicas and dropout off, so a correct step gives the same
-weights, optimizer state and metrics both ways up to float64 rounding (below
-1e-13 here, against differences of 0.1 and more that the bugs below make). Prints
-every difference, the one that decided the verdict, and PASS or FAIL; exit status
-0 on PASS, 1 on FAIL, 2 on bad flags.
+Builds the run exactly as training does (trainer/build.py: the task and the whole
+state it creates: every model, optimizer and extra variable), takes `check_steps`
+global batches from the run's own training pipeline, and trains them from one
+initial state, in float64 with batch-norm synchronized across replicas and
+dropout off, so that a correct step agrees up to float64 rounding (below 1e-13
+here, against 1e-3 and more for the bugs below):
+
+1. on 1 replica and on 2 (two logical CPU devices, MirroredStrategy, each global
+   batch split between them): EVERYTHING in the state and every metric compared;
+2. on 2 replicas, each replica's copy of every variable against the other's;
+3. on 1 replica again: bitwise the same, or exact resume cannot hold;
+4. the traced step searched for stateful random ops (named), and batch-norm
+   layers counted: statistics updated by more than one training-mode forward pass
+   a step are reported.
+
+Prints every difference, the one that decided the verdict, and PASS or FAIL; exit
+status 0 on PASS, 1 on FAIL, 2 on bad flags.
 
 It catches the classic distributed-step bugs before a TPU hour is spent: a loss
 divided by the per-replica batch instead of the global one (the summed gradient,
 and so `grad_norm`, doubles), clipping before the cross-replica sum, a metric
 averaged per replica and then summed, a second pass (SAM) that uses this
-replica's gradient instead of the summed one, a teacher run in training mode (its
-dropout masks then differ with the split of the batch).
+replica's gradient instead of the summed one, a teacher run in training mode,
+contrastive negatives from this replica only, a state (an EMA teacher) updated on
+one replica, noise drawn per replica or by a stateful op.
+
+What it cannot decide: a bug that gives the same wrong result however the batch
+is split, e.g. an EMA teacher updated before the optimizer step instead of after
+it, a wrong loss formula, a learning rate too high. Test those against a hand
+computation (tests/test_step.py does, for the built-in step).
 """
 import dataclasses
 import sys
@@ -34,7 +48,7 @@ import tensorflow as tf  # noqa: E402
 
 from data import sources  # noqa: E402
 from trainer import build, config as config_lib, distributed, inputs  # noqa: E402
-from trainer import main as main_lib  # noqa: E402
+from trainer import main as main_lib, randomness  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 from trainer.settings import message_of  # noqa: E402
 
@@ -52,22 +66,34 @@ def define_flags() -> None:
 
 # A correct step differs by float64 rounding only: at most 4.8e-14 measured over
 # the built-in models, tasks and step settings (docs/changing-the-step.md); the
-# smallest difference a planted bug made is 0.133. The tolerance sits between
-# them, a million times from each.
+# smallest difference a planted bug made is 2.3e-3. The tolerance sits between them.
 TOLERANCE = 1e-7
+COUNTER = "forward_passes"  # the batch-norm pass counter check_step adds
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckResult:
-    weight_difference: float            # ||w1 - w2|| / ||w1 - w0|| over all weights
+    weight_difference: float            # ||s1 - s2|| / ||s1 - s0|| over the whole state
     worst_variable: tuple[str, float]   # the same per variable: the largest
     metrics: dict[str, tuple[float, float, float]]  # name: (1 replica, 2, relative)
     tolerance: float
+    replica_difference: tuple[str, float] = ("", 0.0)  # worst copy of 2 vs the other's
+    repeat_difference: tuple[str, float] = ("", 0.0)   # 1 replica twice: worst variable
+    repeat_bitwise: bool = True
+    counts_differ: tuple[str, ...] = ()  # integer variables (steps) 1 vs 2 replicas
+    stateful_ops: tuple[str, ...] = ()   # stateful random ops in the traced step
+    batch_norm_passes: dict[str, float] = dataclasses.field(default_factory=dict)
+    state_summary: str = ""
 
     def differences(self) -> dict[str, float]:
-        """Every compared quantity's relative difference."""
-        return {"weights and optimizer state": self.weight_difference,
-                **{name: rel for name, (_, _, rel) in self.metrics.items()}}
+        """Every compared quantity's relative difference (infinite: a finding that
+        has no size)."""
+        return {"1 vs 2 replicas: the state": self.weight_difference,
+                **{name: rel for name, (_, _, rel) in self.metrics.items()},
+                "the replicas' copies": self.replica_difference[1],
+                "the step repeated": self.repeat_difference[1],
+                "step counts": float("inf") if self.counts_differ else 0.0,
+                "stateful random ops": float("inf") if self.stateful_ops else 0.0}
 
     @property
     def deciding(self) -> tuple[str, float]:
@@ -86,10 +112,35 @@ def _in_float64(layer_config: dict) -> dict:
     return {**layer_config, "dtype": "float64"} if "dtype" in layer_config else layer_config
 
 
+class CountingBatchNormalization(keras.layers.BatchNormalization):
+    """Keras' batch-norm that counts its training-mode forward passes in a float
+    statistic of its own (so a second pass that puts the statistics back, as
+    step.gradient_at_offset does, puts the count back too)."""
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self.forward_passes = self.add_weight(shape=(), initializer="zeros",
+                                              trainable=False, name=COUNTER,
+                                              dtype="float64", autocast=False)
+
+    def call(self, inputs, training=None, mask=None):
+        if training and self.trainable:
+            self.forward_passes.assign_add(tf.constant(1.0, tf.float64))
+        return super().call(inputs, training=training, mask=mask)
+
+
+def _copy_weights(source: keras.Model, target: keras.Model) -> None:
+    """`source`'s weights into its clone `target` (whose counters stay 0)."""
+    weights = [w for w in target.weights if not w.path.endswith(COUNTER)]
+    for variable, value in zip(weights, source.get_weights()):
+        variable.assign(tf.cast(value, variable.dtype))
+
+
 def checkable(model: keras.Model, freeze_batch_norm: bool = False) -> keras.Model:
-    """A copy of `model` in float64 with batch-norm synchronized across replicas
-    (statistics of the global batch) and dropout off: then 1 and N replicas must
-    agree up to float64 rounding. (Its weights are new: set them.)
+    """A copy of `model`, weights and all, in float64 with batch-norm synchronized
+    across replicas (statistics of the global batch; its training-mode passes
+    counted) and dropout off: then 1 and N replicas must agree up to float64
+    rounding.
 
     freeze_batch_norm: batch-norm uses its moving statistics instead (and its scale
     and offset stay fixed). Needed with gradient accumulation: a synchronized
@@ -101,10 +152,13 @@ def checkable(model: keras.Model, freeze_batch_norm: bool = False) -> keras.Mode
             layer_config["synchronized"] = not freeze_batch_norm
             if freeze_batch_norm:
                 layer_config["trainable"] = False
+            return CountingBatchNormalization.from_config(layer_config)
         if isinstance(layer, keras.layers.Dropout):
             layer_config["rate"] = 0.0
         return layer.__class__.from_config(layer_config)
-    return keras.models.clone_model(model, clone_function=clone, recursive=True)
+    copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    _copy_weights(model, copy)
+    return copy
 
 
 def in_float64(model: keras.Model) -> keras.Model:
@@ -118,11 +172,13 @@ def in_float64(model: keras.Model) -> keras.Model:
 
 
 def _global_batches(config: config_lib.Config, spec, num_steps: int) -> dict:
-    """The first `num_steps` global batches of the run's training stream, stacked
-    into one dict of [num_steps * batch, ...] tensors, floats in float64."""
+    """The first `num_steps` global batches of the run's training stream (the
+    task's own batches: two views, ...), stacked into one dict of
+    [num_steps * batch, ...] tensors, floats in float64."""
     train_examples = sources.load(spec, spec.train_split, config.data_dir,
                                   config.download_data)[1]
-    make = inputs.train_input_fn(config, spec, train_examples)
+    make = inputs.train_input_fn(config, spec, train_examples,
+                                 task=build.make_task(config, spec))
     whole = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
                                        num_replicas_in_sync=1)
     batches = list(make(whole).take(num_steps))
@@ -131,29 +187,66 @@ def _global_batches(config: config_lib.Config, spec, num_steps: int) -> dict:
             for key, t in stacked.items()}
 
 
-def _train(strategy, config, spec, plan, initial_weights, data: dict, num_steps: int):
-    """(names, values before and after the steps of the weights and the optimizer's
-    state, metric means) of `num_steps` steps of the run, built as training builds
-    it, on `strategy`."""
-    run = build.build_run(
-        config, spec, plan, strategy, precision="float64",
-        initial_weights=initial_weights,
-        adapt_model=lambda model: checkable(model, config.grad_accum_steps > 1),
-        adapt_fixed_model=in_float64)
-    # The optimizer's state too: Adam's update hides a gradient summed twice (it is
-    # scale-invariant), its second moment does not. Its start (zeros; the weights'
-    # copies for an EMA or Lookahead's slow weights) is the baseline of its moves.
-    state = [v for v in run.optimizer.variables if "iteration" not in v.path]
-    variables = run.model.weights + state
-    before = [np.asarray(v.numpy(), np.float64) for v in variables]
-    dataset = tf.data.Dataset.from_tensor_slices(data).batch(config.batch_size)
-    dataset = dataset.with_options(_no_autoshard())
-    iterator = iter(strategy.experimental_distribute_dataset(dataset))
-    train_loop = distributed.make_train_loop(strategy, run.train_step)
-    sums, _ = train_loop(iterator, tf.constant(num_steps), tf.constant(0.0))
-    return ([v.path for v in variables], before,
-            [np.asarray(v.numpy(), np.float64) for v in variables],
-            distributed.means(tf.nest.map_structure(lambda t: t.numpy(), sums)))
+class _Trial:
+    """A run built on `strategy` as training builds it (float64, checkable models),
+    that trains `num_steps` global batches of `data` from a given state."""
+
+    def __init__(self, strategy, config, spec, plan, data: dict, num_steps: int):
+        self.strategy, self.config, self.num_steps = strategy, config, num_steps
+        keras.utils.set_random_seed(config.seed)
+        self.run = build.build_run(
+            config, spec, plan, strategy, precision="float64",
+            adapt_model=lambda model: checkable(model, config.grad_accum_steps > 1),
+            adapt_fixed_model=in_float64)
+        state = self.run.state
+        # Everything the state holds (with the random generators' state), and of it
+        # what is compared (the batch-norm pass counters are check_step's own).
+        rng = [v for key, items in state.trackables().items() if key.startswith("rng")
+               for v in items]
+        self.compared = [(name, v) for name, v in state.compared_variables()
+                         if not name.endswith(COUNTER)]
+        self.counters = [(name.rsplit("/", 2)[-2], v) for name, v in
+                         state.compared_variables() if name.endswith(COUNTER)]
+        self.variables = ([v for _, v in self.compared] + [v for _, v in self.counters]
+                          + rng)  # (the compared ones first)
+        dataset = tf.data.Dataset.from_tensor_slices(data).batch(config.batch_size)
+        self.dataset = strategy.experimental_distribute_dataset(
+            dataset.with_options(_no_autoshard()))
+        self.loop = distributed.make_train_loop(strategy, self.run.train_step,
+                                                state=state)
+
+    def snapshot(self) -> list[np.ndarray]:
+        return [np.array(v.numpy()) for v in self.variables]
+
+    def restore(self, values: list[np.ndarray]) -> None:
+        with self.strategy.scope():
+            for variable, value in zip(self.variables, values):
+                variable.assign(value)
+
+    def train(self) -> dict[str, float]:
+        """Trains the steps from the state as it is; the metric means."""
+        iterator = iter(self.dataset)
+        sums, _ = self.loop(iterator, tf.constant(self.num_steps), tf.constant(0.0))
+        self._iterator = iterator
+        return distributed.means(tf.nest.map_structure(lambda t: t.numpy(), sums))
+
+    def values(self) -> list[np.ndarray]:
+        """The compared variables' values (replica 0's copy)."""
+        return [np.asarray(v.numpy()) for _, v in self.compared]
+
+    def copies(self) -> list[list[np.ndarray]]:
+        """Each compared variable's value on every replica."""
+        result = []
+        for _, variable in self.compared:
+            inner = variable.value if isinstance(variable, keras.Variable) else variable
+            result.append([np.asarray(c.numpy()) for c in
+                           self.strategy.experimental_local_results(inner)])
+        return result
+
+    def stateful_random_ops(self) -> list[str]:
+        graph = self.loop.get_concrete_function(
+            self._iterator, tf.constant(self.num_steps), tf.constant(0.0)).graph
+        return randomness.stateful_random_ops(graph)
 
 
 def _no_autoshard() -> tf.data.Options:
@@ -170,42 +263,80 @@ def _relative(a: float, b: float) -> float:
     return abs(a - b) / scale if scale > 1e-12 else 0.0
 
 
+def _apart(names, initial, first, second) -> tuple[float, tuple[str, float]]:
+    """(||first - second|| / ||first - initial|| over the float variables, the worst
+    variable and its own ratio)."""
+    moved, apart, per_variable = 0.0, 0.0, []
+    for name, w0, a, b in zip(names, initial, first, second):
+        if not np.issubdtype(a.dtype, np.floating):
+            continue
+        m = float(np.linalg.norm((a - w0).ravel()))
+        d = float(np.linalg.norm((a - b).ravel())) if not np.array_equal(a, b) else 0.0
+        moved, apart = moved + m * m, apart + d * d
+        per_variable.append((name, d / m if m > 0 else (0.0 if d == 0 else float("inf"))))
+    worst = max(per_variable, key=lambda item: item[1], default=("", 0.0))
+    total = np.sqrt(apart) / np.sqrt(moved) if moved else np.sqrt(apart)
+    return float(total), worst
+
+
 def run_check(config: config_lib.Config, num_steps: int = 3,
               tolerance: float = TOLERANCE,
               devices: list[str] | None = None) -> CheckResult:
-    """Trains `num_steps` steps on 1 and on 2 replicas; compares. devices: two CPU
-    device names (default: the host CPU split in two, before TF starts)."""
+    """Trains `num_steps` steps on 1 replica, on 2, and on 1 again, from the same
+    state; compares. devices: two CPU device names (default: the host CPU split
+    in two, before TF starts)."""
     devices = devices or strategy_lib.split_cpu(2)
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("float32")
-    keras.utils.set_random_seed(config.seed)
     spec = build.dataset_spec(config)
     plan = build.plan(config, spec, num_replicas=2)
     data = _global_batches(config, spec, num_steps)
-    task = build.make_task(config, spec)
-    model = build.build_model(config, spec, task)  # the run's initial weights
-    build.init_from_data(model, config, spec)
     try:
-        names, initial, one, one_metrics = _train(
-            tf.distribute.OneDeviceStrategy(devices[0]), config, spec, plan,
-            model.get_weights(), data, num_steps)
-        _, _, two, two_metrics = _train(strategy_lib.mirrored(tuple(devices[:2])), config,
-                                        spec, plan, model.get_weights(), data, num_steps)
+        one = _Trial(tf.distribute.OneDeviceStrategy(devices[0]), config, spec, plan,
+                     data, num_steps)
+        start = one.snapshot()  # THE initial state, of both runs
+        one_metrics = one.train()
+        after_one, names = one.values(), [name for name, _ in one.compared]
+        initial = [start[i] for i in range(len(one.compared))]
+        passes = {layer: float(v.numpy()) / num_steps for layer, v in one.counters}
+        stateful = one.stateful_random_ops()
+        one.restore(start)  # the same steps again: bitwise the same?
+        one.train()
+        repeat = one.values()
+        two = _Trial(strategy_lib.mirrored(tuple(devices[:2])), config, spec, plan, data,
+                     num_steps)
+        two.restore(start)
+        two_metrics = two.train()
+        after_two, copies = two.values(), two.copies()
     finally:
         keras.mixed_precision.set_global_policy(policy)  # (build_run set float64)
-    moved = [np.linalg.norm(a - w0) for a, w0 in zip(one, initial)]
-    apart = [np.linalg.norm(a - b) for a, b in zip(one, two)]
-    per_variable = [(name, d / m if m > 0 else (0.0 if d == 0 else float("inf")))
-                    for name, d, m in zip(names, apart, moved)]
-    total_moved = float(np.sqrt(sum(m * m for m in moved)))
-    total_apart = float(np.sqrt(sum(d * d for d in apart)))
+    difference, worst = _apart(names, initial, after_one, after_two)
+    replica_worst = ("", 0.0)
+    for name, w0, per_replica in zip(names, initial, copies):
+        first = per_replica[0]
+        for other in per_replica[1:]:
+            _, candidate = _apart([name], [w0], [first], [other])
+            if candidate[1] > replica_worst[1] or np.isnan(candidate[1]):
+                replica_worst = candidate
+    _, repeat_worst = _apart(names, initial, after_one, repeat)
+    counts = tuple(name for name, a, b in zip(names, after_one, after_two)
+                   if not np.issubdtype(a.dtype, np.floating) and not np.array_equal(a, b))
+    models = ", ".join(f"{name} {m.count_params():,}"
+                       for name, m in one.run.state.models.items())
+    summary = (f"state: models {models}; optimizers "
+               f"{', '.join(one.run.state.optimizers) or 'none'}; extras "
+               f"{', '.join(one.run.state.extras) or 'none'}; {len(names)} variables "
+               f"compared")
     return CheckResult(
-        weight_difference=total_apart / total_moved if total_moved else total_apart,
-        worst_variable=max(per_variable, key=lambda item: item[1]),
+        weight_difference=difference, worst_variable=worst,
         metrics={key: (one_metrics[key], two_metrics.get(key, float("nan")),
                        _relative(one_metrics[key], two_metrics.get(key, float("nan"))))
                  for key in one_metrics},
-        tolerance=tolerance)
+        tolerance=tolerance, replica_difference=replica_worst,
+        repeat_difference=repeat_worst,
+        repeat_bitwise=all(np.array_equal(a, b) for a, b in zip(after_one, repeat)),
+        counts_differ=counts, stateful_ops=tuple(stateful),
+        batch_norm_passes=passes, state_summary=summary)
 
 
 def report(result: CheckResult, config: config_lib.Config, num_steps: int) -> str:
@@ -214,9 +345,34 @@ def report(result: CheckResult, config: config_lib.Config, num_steps: int) -> st
              f"1 replica vs 2 (MirroredStrategy on 2 CPU devices), float64, "
              f"{'frozen' if config.grad_accum_steps > 1 else 'synchronized'} batch-norm, "
              f"dropout off",
-             f"  weights and optimizer state: relative difference {result.weight_difference:.2e} "
-             f"(||w1 - w2|| / ||w1 - w0||; worst variable {result.worst_variable[0]}: "
-             f"{result.worst_variable[1]:.2e})"]
+             f"  {result.state_summary}",
+             f"  1 vs 2 replicas, the whole state: relative difference "
+             f"{result.weight_difference:.2e} (||s1 - s2|| / ||s1 - s0||; worst variable "
+             f"{result.worst_variable[0]}: {result.worst_variable[1]:.2e})"]
+    name, value = result.replica_difference
+    lines.append(f"  the 2 replicas' copies of each variable: relative difference "
+                 f"{value:.2e}" + (f" (worst {name})" if value else " (identical)"))
+    name, value = result.repeat_difference
+    lines.append("  the steps repeated on 1 replica from the same state: " + (
+        "bitwise the same" if result.repeat_bitwise else
+        f"NOT bitwise the same (worst {name}: {value:.2e}): a non-deterministic op "
+        f"(e.g. tf.vectorized_map's); an exact resume cannot hold"))
+    if result.counts_differ:
+        lines.append(f"  step counts differ between 1 and 2 replicas: "
+                     f"{', '.join(result.counts_differ)}")
+    lines.append("  stateful random ops in the step: " + (
+        "; ".join(result.stateful_ops) + " (other numbers on each replica and after a "
+        "resume: draw from trainer.randomness)" if result.stateful_ops else "none"))
+    several = {layer: n for layer, n in result.batch_norm_passes.items() if n > 1}
+    if several:
+        lines.append(f"  note: batch-norm statistics updated by {max(several.values()):g} "
+                     f"training-mode forward passes a step in {len(several)} layer(s) "
+                     f"(e.g. {next(iter(several))}): an attack or a second pass in "
+                     f"training mode moves them more than once; if not meant, call the "
+                     f"model with training=False there, or use step.gradient_at_offset")
+    elif result.batch_norm_passes:
+        lines.append(f"  batch-norm: at most one training-mode pass a step in each of "
+                     f"{len(result.batch_norm_passes)} layer(s)")
     for key, (one, two, rel) in result.metrics.items():
         lines.append(f"  {key}: {one:.6g} (1 replica) vs {two:.6g} (2 replicas), "
                      f"relative difference {rel:.2e}")
@@ -224,6 +380,8 @@ def report(result: CheckResult, config: config_lib.Config, num_steps: int) -> st
     verdict = "PASS" if result.passed else "FAIL"
     lines.append(f"{verdict}: decided by {name}: relative difference {difference:.2e}, "
                  f"tolerance {result.tolerance:.0e}")
+    lines.append("  (not decided here: a bug that gives the same result however the batch "
+                 "is split, e.g. an EMA updated before the optimizer step, a wrong loss)")
     return "\n".join(lines)
 
 

@@ -119,20 +119,37 @@ def weights_h5_bytes(model) -> bytes:
     return buffer.getvalue()
 
 
+class NonFiniteError(RuntimeError):
+    """A weight is NaN or infinite: nothing was written (the loop: exit status 3)."""
+
+
+def check_finite(named_variables: list, what: str, step: int | None = None) -> None:
+    """NonFiniteError naming the first variables holding a NaN or an infinity, so
+    that no checkpoint, weights file or export ever holds one."""
+    bad = [name for name, v in named_variables
+           if tf.as_dtype(v.dtype).is_floating
+           and not bool(tf.reduce_all(tf.math.is_finite(v)))]
+    if bad:
+        at = f" at step {step}" if step is not None else ""
+        raise NonFiniteError(f"{len(bad)} variable(s) hold a NaN or an infinity{at} "
+                             f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); "
+                             f"{what} not written")
+
+
 def save_weights(model, path: str) -> None:
     """`model.save_weights(path)` whole or not at all (any gfile path): on failure
-    WriteError names the file, and the previous file of that name is intact."""
+    WriteError names the file, and the previous file of that name is intact. A
+    non-finite weight: NonFiniteError, nothing written."""
+    check_finite([(v.path, v) for v in model.weights], os.path.basename(path))
     files.write_atomically(path, weights_h5_bytes(model))
 
 
-def training_checkpoint(model, optimizer) -> tf.train.Checkpoint:
-    """Everything needed to continue a run exactly: weights, optimizer state with
-    `optimizer.iterations`, the run's one step counter (also the data position, see
-    data/pipeline.py), and the state of the model's random-number generators
-    (dropout), which Keras 3 keeps in variables that a tf.train.Checkpoint of the
-    model alone does not save."""
-    rng_states = [v.value for v in model.variables if "seed_generator_state" in v.path]
-    return tf.train.Checkpoint(model=model, optimizer=optimizer, rng=rng_states)
+def training_checkpoint(state) -> tf.train.Checkpoint:
+    """Everything needed to continue a run exactly: the whole TrainState
+    (trainer/state.py): every model and its random-number generators' state
+    (dropout), every optimizer's state, the extras, and the run's one step counter
+    (also the data position, see data/pipeline.py)."""
+    return tf.train.Checkpoint(**state.trackables())
 
 
 def make_manager(model_dir: str, checkpoint: tf.train.Checkpoint, keep: int,
@@ -172,11 +189,13 @@ def restore_latest(checkpoint: tf.train.Checkpoint, model_dir: str) -> str | Non
     candidates = _candidates(model_dir)
     for path in candidates:
         try:
-            checkpoint.restore(path).assert_existing_objects_matched()
+            status = checkpoint.restore(path)
+            status.assert_existing_objects_matched()
         except (AssertionError, ValueError) as err:
             raise CheckpointError(
-                f"checkpoint {path} does not fit this model ({str(err).splitlines()[0]}); "
-                f"use another --model_dir (the checkpoint is left untouched)") from err
+                f"checkpoint {path} does not fit this run's state "
+                f"({_first_line(err)}); use another --model_dir (the checkpoint is left "
+                f"untouched)") from err
         except UNREADABLE as err:
             logging.warning("checkpoint %s is unreadable (%s: %s); trying the one "
                             "before it", path, type(err).__name__,
@@ -193,6 +212,18 @@ def restore_latest(checkpoint: tf.train.Checkpoint, model_dir: str) -> str | Non
     return None
 
 
+def _first_line(error: BaseException) -> str:
+    """What an unmatched restore says, short: the variables the checkpoint lacks."""
+    text = str(error)
+    missing = [line.strip() for line in text.splitlines() if "<tf.Variable" in line
+               or "Unresolved object" in line]
+    if missing:
+        names = [line.split("'")[1] if "'" in line else line for line in missing[:3]]
+        return (f"it lacks {len(missing)} of the state's variables, e.g. "
+                f"{', '.join(names)}: a task, model or setting that adds state")
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
 def check_same_step(strategy: tf.distribute.Strategy, step: int) -> None:
     """Every worker restored the same step (one may have fallen back past a checkpoint
     it could not read): else a one-line CheckpointError on every worker, instead of
@@ -206,10 +237,14 @@ def check_same_step(strategy: tf.distribute.Strategy, step: int) -> None:
             f"rerun the same command")
 
 
-def save(manager: tf.train.CheckpointManager, step: int) -> None:
-    """Saves a checkpoint of `step`. On failure (no space, no permission, ...) the
-    half-written `*_temp` directory is removed and CheckpointSaveError names the
-    directory and the last good checkpoint, which is untouched."""
+def save(manager: tf.train.CheckpointManager, step: int, state=None) -> None:
+    """Saves a checkpoint of `step` (given the state, only if every value in it is
+    finite: else NonFiniteError, nothing written). On failure (no space, no
+    permission, ...) the half-written `*_temp` directory is removed and
+    CheckpointSaveError names the directory and the last good checkpoint, which is
+    untouched."""
+    if state is not None:
+        check_finite(state.compared_variables(), f"the checkpoint of step {step}", step)
     try:
         manager.save(checkpoint_number=step)
     except (tf.errors.OpError, OSError) as err:

@@ -4,7 +4,10 @@ It runs whatever per-replica function it is given (`fn(batch) -> {name: (total,
 weight)}`, see trainer/step.py) and knows nothing of what the step computes. One
 `tf.function` call runs `num_steps` steps in an in-graph loop (fewer Python round
 trips; on a TPU one host call per loop); `num_steps` is a tensor, so a shorter last
-loop does not retrace.
+loop does not retrace. Given the run's state (trainer/state.py), it advances the
+state's step counter after every step, whatever the step did, and checks that the
+step left every weight finite (reading them, no copy): the first step that did not
+is reported to the loop, which stops before anything is saved.
 """
 from typing import Callable
 
@@ -14,7 +17,9 @@ import tensorflow as tf
 from trainer.settings import ConfigError
 
 SUM = tf.distribute.ReduceOp.SUM
-INPUT_WAIT = "input_wait_seconds"  # the loop's own entry in a train loop's sums
+INPUT_WAIT = "input_wait_seconds"  # the loop's own entries in a train loop's sums
+NONFINITE_AT = "_nonfinite_at_step"  # (first step leaving a non-finite weight or 0, 1)
+LOOP_KEYS = (INPUT_WAIT, NONFINITE_AT)
 Sums = dict[str, tuple[tf.Tensor, tf.Tensor]]
 
 
@@ -58,9 +63,27 @@ def summable(metrics, source: str = "the step", reserved: tuple[str, ...] = ()) 
     return checked
 
 
-def _summable(replica_fn: Callable) -> Callable:
-    """`replica_fn` with its metrics checked and made tensors (`summable`)."""
-    return lambda batch: summable(replica_fn(batch), reserved=(INPUT_WAIT,))
+def _bookkept(replica_fn: Callable, state=None) -> Callable:
+    """`replica_fn` with its metrics checked and made tensors (`summable`), and,
+    given the run's state, after it in the replica: the step counter advanced and
+    every weight checked finite (reading this replica's copies, on its device; no
+    copy made). Returns (metrics, (step if a weight is non-finite else 0, 1 if so
+    else 0))."""
+    watched = state.model_variables() if state is not None else []
+
+    def step_fn(batch):
+        metrics = summable(replica_fn(batch), reserved=LOOP_KEYS)
+        if state is None:
+            return metrics, (tf.constant(0.0, tf.float64), tf.constant(0.0, tf.float64))
+        with tf.control_dependencies(tf.nest.flatten(metrics)):
+            # THE step counter: one more, whatever the task's step did.
+            state.step.assign_add(1)
+        with tf.control_dependencies(tf.nest.flatten(metrics) + [state.step.read_value()]):
+            finite = tf.reduce_all(tf.stack(
+                [tf.reduce_all(tf.math.is_finite(v)) for v in watched] or [True]))
+            bad = 1.0 - tf.cast(finite, tf.float64)
+            return metrics, (bad * tf.cast(state.step.read_value(), tf.float64), bad)
+    return step_fn
 
 
 def _describe(value) -> str:
@@ -72,43 +95,46 @@ def _describe(value) -> str:
 
 
 def _run_steps(strategy: tf.distribute.Strategy, replica_fn: Callable, iterator,
-               num_steps: tf.Tensor, time_input: bool = False) -> tuple[Sums, tf.Tensor]:
-    """`num_steps` steps; every (total, weight) summed over replicas and steps, and
-    (time_input) the seconds the steps waited for their input, else 0."""
-    replica_fn = _summable(replica_fn)
+               num_steps: tf.Tensor, time_input: bool = False, state=None
+               ) -> tuple[Sums, tf.Tensor, tf.Tensor]:
+    """`num_steps` steps; every (total, weight) summed over replicas and steps, the
+    seconds the steps waited for their input (time_input, else 0), and the first
+    step (its number, counted from 1) that left a weight non-finite (0: none;
+    always 0 without `state`)."""
+    step_fn = _bookkept(replica_fn, state)
 
     # A function of its own, so the first step and the loop's body call one graph:
     # the step (forward, gradients, optimizer) is traced once, not twice.
     @tf.function
     def one_step(previous_done: tf.Tensor):
-        if not time_input:
-            per_replica = strategy.run(replica_fn, args=(next(iterator),))
-            # SUM over replicas: each returned totals over its own share of the batch.
-            totals = tf.nest.map_structure(lambda t: strategy.reduce(SUM, t, axis=None),
-                                           per_replica)
-            return totals, tf.constant(0.0, tf.float64), previous_done
-        # The input wait: from the previous step's end (its sums exist) to this
-        # step's batch being there. A pipeline that keeps up has it prefetched.
-        with tf.control_dependencies([previous_done]):
-            asked = tf.timestamp()
-        with tf.control_dependencies([asked]):
-            batch = next(iterator)
-        with tf.control_dependencies(tf.nest.flatten(batch, expand_composites=True)):
-            waited = tf.timestamp() - asked
-        per_replica = strategy.run(replica_fn, args=(batch,))
-        totals = tf.nest.map_structure(lambda t: strategy.reduce(SUM, t, axis=None),
-                                       per_replica)
+        if time_input:
+            # The input wait: from the previous step's end (its sums exist) to this
+            # step's batch being there. A pipeline that keeps up has it prefetched.
+            with tf.control_dependencies([previous_done]):
+                asked = tf.timestamp()
+            with tf.control_dependencies([asked]):
+                batch = next(iterator)
+            with tf.control_dependencies(tf.nest.flatten(batch, expand_composites=True)):
+                waited = tf.timestamp() - asked
+        else:
+            batch, waited = next(iterator), tf.constant(0.0, tf.float64)
+        per_replica = strategy.run(step_fn, args=(batch,))
+        # SUM over replicas: each returned totals over its own share of the batch.
+        totals, (at, bad) = tf.nest.map_structure(
+            lambda t: strategy.reduce(SUM, t, axis=None), per_replica)
+        nonfinite_at = tf.math.divide_no_nan(at, bad)  # (the same step on every replica)
         with tf.control_dependencies(tf.nest.flatten(totals)):
             done = tf.identity(previous_done)  # ready once this step's sums are
-        return totals, waited, done
+        return totals, waited, nonfinite_at, done
 
     # The first step fixes the structure the step returns (the loop's variables).
-    totals, waited, done = one_step(tf.constant(0.0, tf.float64))
+    totals, waited, first_nonfinite, done = one_step(tf.constant(0.0, tf.float64))
     for _ in tf.range(num_steps - 1):
-        step_totals, step_waited, done = one_step(done)
+        step_totals, step_waited, nonfinite_at, done = one_step(done)
         totals = tf.nest.map_structure(tf.add, totals, step_totals)
         waited += step_waited
-    return totals, waited
+        first_nonfinite = tf.where(first_nonfinite > 0, first_nonfinite, nonfinite_at)
+    return totals, waited, first_nonfinite
 
 
 def _maybe_jit(replica_fn: Callable, jit_compile: bool) -> Callable:
@@ -125,11 +151,14 @@ def determinism_enabled() -> bool:
 
 
 def make_train_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
-                    jit_compile: bool = False, time_input: bool | None = None) -> Callable:
+                    jit_compile: bool = False, time_input: bool | None = None,
+                    state=None) -> Callable:
     """Returns train_loop(iterator, num_steps, stop_flag) -> (sums, stop_requested);
     sums[INPUT_WAIT] is (seconds the steps waited for their input, steps), or (0, 0)
     with time_input=False, the default under op determinism (which refuses
-    timestamps; it is process-wide once enabled).
+    timestamps; it is process-wide once enabled). state: the run's TrainState,
+    whose step counter advances after every step; sums[NONFINITE_AT] is then
+    (the first step whose end left a weight non-finite, 0 if none; 1).
 
     stop_flag (a float tensor, 1.0 after SIGTERM on this worker) is summed across
     workers, so a stop request on any worker reaches every worker and all of them
@@ -141,11 +170,13 @@ def make_train_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
 
     @tf.function
     def train_loop(iterator, num_steps: tf.Tensor, stop_flag: tf.Tensor):
-        sums, waited = _run_steps(strategy, replica_fn, iterator, num_steps, time_input)
+        sums, waited, nonfinite_at = _run_steps(strategy, replica_fn, iterator,
+                                                num_steps, time_input, state)
         stop = strategy.reduce(SUM, strategy.run(lambda: tf.identity(stop_flag)),
                                axis=None)
         timed = tf.cast(num_steps if time_input else 0, tf.float64)
-        return {**sums, INPUT_WAIT: (waited, timed)}, stop
+        return {**sums, INPUT_WAIT: (waited, timed),
+                NONFINITE_AT: (nonfinite_at, tf.constant(1.0, tf.float64))}, stop
 
     return train_loop
 
@@ -166,4 +197,4 @@ def means(sums: Sums) -> dict[str, float]:
     """total / weight of every scalar metric (0 where nothing was counted)."""
     return {key: float(total) / float(weight) if float(weight) else 0.0
             for key, (total, weight) in sums.items()
-            if np.size(total) == 1 and key != INPUT_WAIT}
+            if np.size(total) == 1 and key not in LOOP_KEYS}

@@ -4,9 +4,10 @@
     python -m trainer.evaluate --model_dir=DIR --checkpoint=DIR/ckpt-40
     python -m trainer.evaluate --model_dir=DIR --watch         # each new one, as written
 
-Rebuilds the run's model, optimizer (for --ema_decay's average) and evaluation from
-its run_config.json, restores a checkpoint and evaluates it exactly as training
-does (every test example once). With --watch it follows a training job, evaluating
+Rebuilds the run's state (its task's models and optimizers: the average of
+--ema_decay lives in an optimizer) and evaluation from its run_config.json,
+restores a checkpoint and evaluates it exactly as training does (every test
+example once, the task's own evaluation step). With --watch it follows a training job, evaluating
 each checkpoint it writes (Model Garden's continuous evaluation; the seed's "train
 on the TPU, evaluate on the CPU"), until the run is done or no new checkpoint comes
 for --timeout seconds. It writes only to --output_dir (default DIR/evaluator):
@@ -65,20 +66,18 @@ class Evaluator:
                                                    config.deterministic)
         self.spec = spec = build.dataset_spec(config)
         self.plan = build.plan(config, spec, 1)
-        # The weights come from the checkpoints; a teacher is not needed to evaluate.
+        # The weights come from the checkpoints; what the task's evaluation reads is
+        # built (not, e.g., a distillation's teacher).
         self.run = run = build.build_run(config, spec, self.plan, strategy, precision,
-                                         training=False)
-        # The optimizer only for --ema_decay, whose average lives in it (its other
-        # state, e.g. a GPU run's loss scale, is not needed here).
-        self.optimizer = run.optimizer if config.ema_decay else None
+                                         purpose=build.EVALUATE)
         with strategy.scope():
-            self.checkpoint = tf.train.Checkpoint(
-                model=run.model, **({"optimizer": self.optimizer} if self.optimizer
-                                    else {}))
+            self.checkpoint = checkpoints.training_checkpoint(run.state)
         self.eval_loop = distributed.make_eval_loop(strategy, run.eval_step)
+        cache = inputs.choose_mode(config, spec,
+                                   self.plan.train_examples)[0] == inputs.MEMORY_MODE
         self.eval_dataset = strategy.distribute_datasets_from_function(
-            inputs.eval_input_fn(config, spec, cache=inputs.choose_mode(
-                config, spec, self.plan.train_examples)[0] == inputs.MEMORY_MODE))
+            inputs.eval_input_fn(config, spec, cache=cache))
+        self.splits = evaluation.SplitMapper(strategy, config, spec, run.state, cache)
 
     def evaluate(self, checkpoint_path: str) -> dict:
         """The metrics of one checkpoint (ckpt-N: the step N)."""
@@ -90,9 +89,9 @@ class Evaluator:
                 f"{checkpoint_path} does not fit the run's model "
                 f"({str(err).splitlines()[0][:160]})") from err
         evaluate = lambda: evaluation.evaluate(  # noqa: E731
-            self.eval_loop, self.eval_dataset, self.plan, self.spec, self.run.task)
-        result = (averaging.evaluate_raw_and_averaged(evaluate, self.optimizer)
-                  if self.optimizer else evaluate())
+            self.eval_loop, self.eval_dataset, self.plan, self.spec, self.run.task,
+            state=self.run.state, splits=self.splits)
+        result = averaging.evaluate_raw_and_averaged(evaluate, self.run.state)
         step_number = int(checkpoint_path.rsplit("-", 1)[-1])
         return {"step": step_number, "epoch": step_number / self.plan.steps_per_epoch,
                 "checkpoint": os.path.basename(checkpoint_path),

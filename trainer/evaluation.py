@@ -1,10 +1,14 @@
 """One evaluation: the task's metrics over the whole eval split (the distributed
 eval loop), and its predictions on a fixed handful of test examples for the
-pictures (TensorBoard, summary.png)."""
+pictures (TensorBoard, summary.png). A task may first run a function over a whole
+split (`SplitMapper`, e.g. the training set's features for a kNN classifier) and
+finish the summed metrics itself (e.g. a Fréchet distance)."""
+from typing import Callable
+
 import numpy as np
 import tensorflow as tf
 
-from data import sources
+from data import pipeline, sources
 from trainer import distributed, inputs
 
 NUM_SAMPLES = 20           # test examples in the prediction pictures
@@ -23,14 +27,70 @@ def load_samples(spec: sources.DatasetSpec, image_size: int, data_dir: str | Non
     return {"image": np.stack(images), "label": np.array(labels)}
 
 
+class SplitMapper:
+    """Runs a function over every example of a split once, on every replica, as
+    evaluation reads it (no augmentation), and gathers its per-example outputs:
+    what a task's `before_evaluation(state, splits)` uses. Each split's pipeline is
+    built once (in memory when the run's training data is)."""
+
+    def __init__(self, strategy: tf.distribute.Strategy, config, spec: sources.DatasetSpec,
+                 state, cache: bool = True):
+        self.strategy, self.config, self.spec, self.state = strategy, config, spec, state
+        self.cache = cache
+        self._datasets: dict[str, tuple] = {}
+        self._steps: dict = {}
+
+    def map(self, fn: Callable[..., dict], split: str | None = None) -> dict[str, np.ndarray]:
+        """fn(state, batch) -> {name: per-example tensor [B, ...]}, per replica, over
+        `split` (default: the training split); returns {name: array [N, ...]} of the
+        split's N examples (padding dropped), with "label" and "index" of each."""
+        split = split or self.spec.train_split
+        if split not in self._datasets:
+            _, count = sources.load(self.spec, split, self.config.data_dir,
+                                    self.config.download_data)
+            batch = self.config.eval_batch_size or self.config.batch_size
+            dataset = self.strategy.distribute_datasets_from_function(
+                inputs.eval_input_fn(self.config, self.spec, cache=self.cache, split=split))
+            self._datasets[split] = (dataset, pipeline.eval_steps(count, batch))
+        dataset, steps = self._datasets[split]
+        key = (id(fn), split)
+        if key not in self._steps:
+            state = self.state
+
+            def replica(batch):
+                values = {"label": batch["label"], "index": batch["index"],
+                          **fn(state, batch), "mask": batch["mask"]}
+                context = tf.distribute.get_replica_context()
+                return {name: context.all_gather(v, axis=0) for name, v in values.items()}
+
+            @tf.function
+            def one_batch(iterator):
+                return self.strategy.run(replica, args=(next(iterator),))
+            self._steps[key] = one_batch
+        one_batch = self._steps[key]
+        iterator = iter(dataset)
+        parts: dict[str, list] = {}
+        for _ in range(steps):
+            gathered = self.strategy.experimental_local_results(one_batch(iterator))[0]
+            for name, value in gathered.items():
+                parts.setdefault(name, []).append(value.numpy())
+        values = {name: np.concatenate(chunks) for name, chunks in parts.items()}
+        keep = values.pop("mask") > 0
+        return {name: value[keep] for name, value in values.items()}
+
+
 def evaluate(eval_loop, eval_dataset, plan, spec: sources.DatasetSpec, task, model=None,
-             samples: dict | None = None) -> dict:
+             samples: dict | None = None, state=None,
+             splits: SplitMapper | None = None) -> dict:
     """`test_<name>` for every scalar metric of the task's eval step,
     `test_examples` (the weight of its loss), every non-scalar metric under its
     name (e.g. `confusion_matrix`: counts stay integers), and `samples` with the
-    task's predictions if given. plan: trainer.build.Plan (its eval_steps, and
-    eval_examples: the count `spec`'s data promises, checked against those
-    evaluated)."""
+    task's predictions if given, all as the task finishes them
+    (`finish_evaluation`); first the task's `before_evaluation(state, splits)`.
+    plan: trainer.build.Plan (its eval_steps, and eval_examples: the count
+    `spec`'s data promises, checked against those evaluated)."""
+    if state is not None:
+        task.before_evaluation(state, splits)
     sums = tf.nest.map_structure(lambda t: t.numpy(), eval_loop(
         iter(eval_dataset), tf.constant(plan.eval_steps)))
     if "loss" not in sums:
@@ -45,6 +105,7 @@ def evaluate(eval_loop, eval_dataset, plan, spec: sources.DatasetSpec, task, mod
         if np.size(total) > 1:
             rounded = np.rint(total)
             result[key] = rounded.astype(np.int64) if np.allclose(total, rounded) else total
+    result = task.finish_evaluation(result)
     if samples is not None:
         result["samples"] = task.sample_predictions(model, samples)
     return result

@@ -34,6 +34,13 @@ def forward_flops_per_image(make_model: Callable[[], keras.Model],
     return float(info.total_float_ops)
 
 
+def forward_flops_of(model: keras.Model) -> float:
+    """The float ops of one forward pass of `model` (counted on a fresh copy: the
+    same architecture, new weights), per example of its own input shape."""
+    shape = tuple(model.inputs[0].shape[1:])
+    return forward_flops_per_image(lambda: keras.models.clone_model(model), shape)
+
+
 def peak_flops(precision: str, n: int = 2048, repeats: int = 20) -> float:
     """FLOP/s of n x n matmuls in the compute dtype of `precision`, best of 3, on
     the default device. The matmuls are chained (each uses the last one's result)

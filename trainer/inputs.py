@@ -80,23 +80,34 @@ def _stream_decode(config: Config, spec: sources.DatasetSpec, augment_name: str)
 def train_input_fn(config: Config, spec: sources.DatasetSpec, train_examples: int,
                    start_step: int = 0, end_step: int | None = None,
                    counts: list | None = None, mode: str = MEMORY_MODE,
-                   files: sources.RecordFiles | None = None):
+                   files: sources.RecordFiles | None = None, task=None):
     """The training input for `distribute_datasets_from_function`: each input
     worker's pipeline (in memory, or streamed from `files`: choose_mode), resuming at
     `start_step` (the data position is the step) and ending at `end_step` (None:
-    endless). counts: gets the examples each of this process's pipelines read (for
-    `check_train_count`)."""
+    endless), yielding what the task's `training_batch` makes (default: the
+    augmented, normalized, mixed batch). counts: gets the examples each of this
+    process's pipelines read (for `check_train_count`)."""
     augment_name = config.augment or spec.augment
     normalize = augment.make_normalize(spec.mean, spec.std)
     mix = augment.make_mix(spec.num_classes, config.mixup_alpha, config.cutmix_alpha)
 
+    def batch_maker(augment_fn):
+        """The task's own training batch, if it has one (else None: the standard)."""
+        if task is None or not task.makes_own_batches():
+            return None
+        standard = pipeline.standard_batch(augment_fn, normalize, mix)
+        return lambda images, labels, key: task.training_batch(images, labels, key,
+                                                               standard, normalize)
+
     def stream_fn(context):
         batch_part = augment.DECODE_TIME_CROPS.get(augment_name, (None, augment_name))[1]
+        augment_fn = augment.TRAIN_AUGMENTATIONS[batch_part]
         return stream.make_train_stream(
             files, context, config.batch_size, _stream_decode(config, spec, augment_name),
-            augment.TRAIN_AUGMENTATIONS[batch_part], normalize, config.shuffle_buffer,
+            augment_fn, normalize, config.shuffle_buffer,
             seed=config.seed, start_step=start_step, end_step=end_step, mix=mix,
-            alternating_flip=config.alternating_flip, counts=counts)
+            alternating_flip=config.alternating_flip, counts=counts,
+            make_batch=batch_maker(augment_fn))
 
     def train_fn(context):
         ds, _ = sources.load(spec, spec.train_split, config.data_dir, config.download_data,
@@ -108,7 +119,8 @@ def train_input_fn(config: Config, spec: sources.DatasetSpec, train_examples: in
                                    num_examples=train_examples, shard=False,
                                    start_step=start_step, end_step=end_step, mix=mix,
                                    alternating_flip=config.alternating_flip,
-                                   counts=counts)
+                                   counts=counts, make_batch=batch_maker(
+                                       augment.TRAIN_AUGMENTATIONS[augment_name]))
     return stream_fn if mode == STREAM_MODE else train_fn
 
 
@@ -170,11 +182,14 @@ def eval_image(config: Config, spec: sources.DatasetSpec, image) -> np.ndarray:
     return resize_uint8(image, size)
 
 
-def eval_input_fn(config: Config, spec: sources.DatasetSpec, cache: bool = True):
-    """The evaluation input: every example once, padded to full batches (mask 0);
-    cache=False reads (and decodes) it again at every evaluation."""
+def eval_input_fn(config: Config, spec: sources.DatasetSpec, cache: bool = True,
+                  split: str | None = None):
+    """The evaluation input: every example of `split` (default: the evaluation
+    split) once, padded to full batches (mask 0); cache=False reads (and decodes)
+    it again at every evaluation."""
     def eval_fn(context):
-        ds, n = sources.load(spec, spec.eval_split, config.data_dir, config.download_data)
+        ds, n = sources.load(spec, split or spec.eval_split, config.data_dir,
+                             config.download_data)
         return pipeline.make_eval(ds, n, context, config.eval_batch_size or config.batch_size,
                                   augment.make_normalize(spec.mean, spec.std),
                                   cache=cache, prepare=_eval_prepare(config, spec))

@@ -1,7 +1,8 @@
-"""The outer loop, one function read top to bottom: devices, data, model and
-optimizer under the strategy, restore, then train / log / evaluate / checkpoint,
-then the final outputs. The math of one step is trainer/step.py; running it on
-every replica is trainer/distributed.py.
+"""The outer loop, one function read top to bottom: devices, data, the run's state
+(models, optimizers, step counter) under the strategy, restore, then train / log /
+evaluate / checkpoint, then the final outputs. The math of one step is the task's
+(trainer/step.py by default); running it on every replica is
+trainer/distributed.py.
 """
 import contextlib
 import os
@@ -14,7 +15,7 @@ import tensorflow as tf
 
 from data import files
 from trainer import averaging, build, checkpoints, distributed, evaluation, faults
-from trainer import flops, inputs, schedules
+from trainer import flops, inputs, randomness, schedules
 from trainer import strategy as strategy_lib
 from trainer import config as config_lib
 from trainer.config import Config, ConfigError
@@ -60,6 +61,19 @@ def _next_stop(step: int, total: int, steps_per_loop: int, *intervals: int,
     return min(stops)
 
 
+def _warn_of_stateful_random_ops(train_loop, iterator) -> None:
+    """One warning line if the traced step draws with a stateful random op: its
+    numbers differ on each replica and after a resume (trainer/randomness.py)."""
+    graph = train_loop.get_concrete_function(iterator, tf.constant(1),
+                                             tf.constant(0.0)).graph
+    found = randomness.stateful_random_ops(graph)
+    if found:
+        logging.warning("the step draws with a stateful random op, %s: replicas draw "
+                        "other numbers and a resumed run too; draw from "
+                        "trainer.randomness (step_seed, per_example_normal, ...)",
+                        "; ".join(found[:3]) + (" ..." if len(found) > 3 else ""))
+
+
 def train_and_evaluate(config: Config, display: IO | None = None,
                        sigterm: faults.SigtermWatcher | None = None) -> dict:
     """Trains `config` in config.model_dir (resuming if a checkpoint is there),
@@ -94,17 +108,17 @@ def train_and_evaluate(config: Config, display: IO | None = None,
         raise ConfigError(f"--profile_steps={config.profile_steps}: the run has "
                           f"{plan.total_steps} steps; profile steps within it")
 
-    # --- Task, model, optimizer and checkpoint, built under the strategy ------------
+    # --- Task, state and checkpoint, built under the strategy -------------------------
     # (trainer/build.py, as every command builds them; a task that does not fit the
     # model or the data stops here, before anything is written to model_dir)
     run = build.build_run(config, spec, plan, strategy, precision)
-    task, model, optimizer, schedule = run.task, run.model, run.optimizer, run.schedule
+    task, state, schedule = run.task, run.state, run.schedule
     checkpoints.prepare_model_dir(config.model_dir, config.as_dict(), is_chief)
     if is_chief:  # so that predict and export work without the data files
         inference.keep_dataset_description(config.dataset, config.model_dir)
-    with strategy.scope():
-        checkpoint = checkpoints.training_checkpoint(model, optimizer)
-    progress_lib.log_setup(config, spec, runtime, plan, precision, jit, schedule, model,
+    with strategy.scope():  # everything the state holds, all of it restored
+        checkpoint = checkpoints.training_checkpoint(state)
+    progress_lib.log_setup(config, spec, runtime, plan, precision, jit, schedule, state,
                            run.step_options)
     # The step's arithmetic, counted once, for the GFLOP/s of every log line.
     flops_per_image = build.training_flops_per_image(run)
@@ -114,8 +128,8 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                  f"; the run's {precision} matmul peak {peak / 1e9:.0f} GFLOP/s"
                  if peak else "")
     restored = checkpoints.restore_latest(checkpoint, config.model_dir)
-    # optimizer.iterations is the one step counter: schedule, data position, logs.
-    start_step = int(optimizer.iterations.numpy())
+    # state.step is the one step counter: schedules, data position, draws, logs.
+    start_step = int(state.step.numpy())
     if restored:
         logging.info("Resumed from %s at step %d", restored, start_step)
     if strategy_lib.is_multi_worker(strategy):  # all from the same checkpoint, or none
@@ -132,7 +146,8 @@ def train_and_evaluate(config: Config, display: IO | None = None,
         train_counts: list[int] = []  # what each pipeline read: all that was promised?
         train_dataset = strategy.distribute_datasets_from_function(
             inputs.train_input_fn(config, spec, plan.train_examples, start_step,
-                                  plan.total_steps, train_counts, mode, record_files))
+                                  plan.total_steps, train_counts, mode, record_files,
+                                  task))
         inputs.check_train_count(strategy, spec, train_counts, plan.train_examples)
         eval_dataset = strategy.distribute_datasets_from_function(
             inputs.eval_input_fn(config, spec, cache=mode == inputs.MEMORY_MODE))
@@ -142,15 +157,19 @@ def train_and_evaluate(config: Config, display: IO | None = None,
 
     # --- The step on every replica ---------------------------------------------------
     wrap_jit = jit and runtime.device_kind != "tpu"  # a TPU compiles the whole loop
-    train_loop = distributed.make_train_loop(strategy, run.train_step, wrap_jit)
+    train_loop = distributed.make_train_loop(strategy, run.train_step, wrap_jit,
+                                             state=state)
     eval_loop = distributed.make_eval_loop(strategy, run.eval_step, wrap_jit)
+    splits = evaluation.SplitMapper(strategy, config, spec, state,
+                                    cache=mode == inputs.MEMORY_MODE)
 
     def evaluate() -> dict:
         """The evaluated weights' metrics (the average with --ema_decay, and then
         the raw weights' metrics too)."""
         return averaging.evaluate_raw_and_averaged(
-            lambda: evaluation.evaluate(eval_loop, eval_dataset, plan, spec, task, model,
-                                        samples), optimizer)
+            lambda: evaluation.evaluate(eval_loop, eval_dataset, plan, spec, task,
+                                        run.output_model, samples, state, splits),
+            state)
 
     # --- What people see --------------------------------------------------------------
     display = display or sys.stderr
@@ -173,9 +192,9 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                                 "wall_seconds": wall.elapsed(),
                                 "train_seconds": progress.train_seconds, **result})
         if is_chief and recorder.improved(record):  # keep the best weights
-            with averaging.averaged_weights(optimizer):  # (those just evaluated)
-                checkpoints.save_weights(model, os.path.join(config.model_dir,
-                                                             inference.BEST_WEIGHTS_FILE))
+            with averaging.averaged_weights(state):  # (those just evaluated)
+                checkpoints.save_weights(run.output_model, os.path.join(
+                    config.model_dir, inference.BEST_WEIGHTS_FILE))
 
     # --- Train: in-graph loops of up to steps_per_loop steps --------------------------
     every = {"eval": config.eval_every or plan.steps_per_epoch,
@@ -200,6 +219,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                                                   tf.constant(stop - current),
                                                   tf.constant(float(sigterm.requested)))
                 sums = tf.nest.map_structure(lambda t: t.numpy(), sums)  # waits
+            nonfinite_at = int(sums.pop(distributed.NONFINITE_AT)[0])
             if profiling and stop >= profile[1]:
                 tf.profiler.experimental.stop()
                 profiling = False
@@ -210,6 +230,13 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             if current == start_step:  # what start-up costs: building, caching, tracing
                 logging.info("Steps %d-%d done %.1f s after the start", current + 1, stop,
                              since_start.elapsed())
+                _warn_of_stateful_random_ops(train_loop, train_iterator)
+            if nonfinite_at:  # no copy to undo it: stop before anything is saved
+                raise faults.TrainingDivergedError(
+                    f"step {nonfinite_at} left a weight non-finite "
+                    f"({', '.join(state.nonfinite()[:3])}); stopped without saving: the "
+                    f"last good checkpoint in {config.model_dir} is kept (lower the "
+                    f"learning rate, or check the step's arithmetic)")
             skipped = progress.add(sums, stop - current, watch.seconds)
             if skipped and config.on_nan == "stop":
                 raise faults.TrainingDivergedError(
@@ -218,15 +245,16 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                     f"without saving: the last good checkpoint in {config.model_dir} is "
                     f"kept (lower the learning rate, or pass --on_nan=skip_step)")
             current = stop
-            if current != int(optimizer.iterations.numpy()):
-                raise RuntimeError(f"the train step must advance optimizer.iterations "
-                                   f"once per step (at step {current} it is "
-                                   f"{int(optimizer.iterations.numpy())})")
+            if current != int(state.step.numpy()):
+                raise RuntimeError(f"the step counter must advance once per step, by the "
+                                   f"wrapper alone (at step {current} it is "
+                                   f"{int(state.step.numpy())}): a task's step must not "
+                                   f"assign state.step")
             learning_rate = float(schedule(current))  # that of the next step
             progress.show(current, learning_rate)
             # One worker alone cannot stop: in multi-worker runs, wait for the sum.
             if float(stop_requested) > 0 or (sigterm.requested and not multi_worker):
-                checkpoints.save(manager, current)
+                checkpoints.save(manager, current, state)
                 recorder.save()
                 raise faults.Preempted(f"preempted (SIGTERM): saved a checkpoint at step "
                                        f"{current} in {config.model_dir}; run the same "
@@ -239,7 +267,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                 record_evaluation(current)
                 evaluated = current == plan.total_steps
             if due("checkpoint"):
-                checkpoints.save(manager, current)
+                checkpoints.save(manager, current, state)
                 recorder.save()
         if not evaluated:  # e.g. resumed after the last step: the pictures need one
             record_evaluation(current)
@@ -247,7 +275,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     # --- Final outputs (chief only), with the evaluated weights -----------------------
     history = recorder.eval_history
     last_train = recorder.train_history[-1] if recorder.train_history else {}
-    with averaging.averaged_weights(optimizer):
+    with averaging.averaged_weights(state):
         metrics = {
             **history[-1],
             **{k: v for k, v in last_train.items() if k.startswith("train_")},
@@ -258,7 +286,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             **progress.flop_rates(current),
             "steps": current, "epochs": current / plan.steps_per_epoch,
             "resumed_from_step": start_step, "skipped_steps": progress.skipped_steps,
-            "weights_sha256": progress_lib.weights_checksum(model),
+            "weights_sha256": progress_lib.weights_checksum(run.output_model),
             "task": config.task, "model": config.model, "dataset": config.dataset,
             "strategy": runtime.name, "replicas": runtime.num_replicas,
             "device": runtime.device_kind, "precision": precision, "jit_compile": jit,
@@ -266,8 +294,9 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             "per_replica_batch_size": plan.per_replica_batch,
         }
         if is_chief:
-            checkpoints.save_weights(model, os.path.join(config.model_dir,
-                                                         inference.WEIGHTS_FILE))
+            checkpoints.save_weights(run.output_model, os.path.join(
+                config.model_dir, inference.WEIGHTS_FILE))
+    metrics["state_sha256"] = progress_lib.state_checksum(state)  # (raw, all of it)
     metrics = recorder.finish(metrics, schedules.sample_points(schedule, 200),
                               plan.steps_per_epoch)
     logging.info("Done: %s on %d examples, %.1f s training, %.0f img/s%s, peak "

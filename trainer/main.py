@@ -3,7 +3,8 @@
 Parses the flags (one per trainer.config.Config field, plus --plot_schedule) into
 one frozen Config, validates it before any heavy work, and calls
 `loop.train_and_evaluate`. Exit status: 0 done; 2 bad settings or input (a one-line
-error on stderr, before training); 3 the loss diverged (last good checkpoint kept);
+error on stderr, before training); 3 the loss diverged or a weight became
+non-finite (nothing saved after it; the last good checkpoint kept);
 4 a multi-worker run lost a worker (restart all to resume); 5 a checkpoint or a
 final output could not be written (disk full, no permission; the file is named, the
 last good checkpoint and the previous complete file are kept); 75
@@ -134,7 +135,7 @@ def main(argv: list[str]) -> None:
     except (faults.Preempted, faults.StoppedAtStartUp) as err:
         print(f"stopped: {err}", file=sys.stderr)
         sys.exit(faults.PREEMPTED_EXIT_CODE)
-    except faults.TrainingDivergedError as err:
+    except (faults.TrainingDivergedError, checkpoints.NonFiniteError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(3)
     except files.WriteError as err:  # a checkpoint or a final output (disk full, ...)

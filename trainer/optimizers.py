@@ -42,6 +42,7 @@ class _SummedGradients:
     _lr_multipliers: tuple[float, ...] = ()  # by variable index; () for all 1
     _freeze_steps: tuple[int | None, ...] = ()  # by variable index; () for none
     _decayed_here: tuple[bool, ...] = ()
+    _run_step = None  # a _Hidden holding the run's step counter: what freezes read
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
         return grads_and_vars
@@ -51,11 +52,17 @@ class _SummedGradients:
         Decoupled weight decay is not multiplied (as in airbench)."""
         self._lr_multipliers = tuple(multipliers)
 
+    def set_step_counter(self, step: tf.Variable) -> None:
+        """The run's step counter (trainer/state.py), which the freezes read instead
+        of this optimizer's own iteration count (held in a tuple: not tracked as
+        this optimizer's variable)."""
+        self._run_step = (step,)
+
     def set_freeze_steps(self, steps: list[int | None], decayed: list[bool]) -> None:
-        """Variable i gets no update at all once optimizer.iterations reaches
-        steps[i] (None: never): no gradient step and no weight decay, as a PyTorch
-        parameter with requires_grad=False (airbench freezes its whitening bias
-        after 3 epochs). Its decoupled weight decay (decayed[i]) is applied in
+        """Variable i gets no update at all once the run's step (set_step_counter;
+        else optimizer.iterations) reaches steps[i] (None: never): no gradient
+        step and no weight decay, as a PyTorch parameter with requires_grad=False
+        (airbench freezes its whitening bias after 3 epochs). Its decoupled weight decay (decayed[i]) is applied in
         update_step, where the freeze can skip it: `create` excludes such variables
         from Keras' own decay pass, which runs before the update with the same
         formula."""
@@ -78,7 +85,15 @@ class _SummedGradients:
                                     * tf.cast(learning_rate, variable.dtype))
             super(_SummedGradients, self).update_step(gradient, variable, scaled)
 
-        tf.cond(self.iterations < freeze, train, lambda: None)
+        step = self._run_step.value if self._run_step else self.iterations
+        tf.cond(step < freeze, train, lambda: None)
+
+
+class _Hidden:
+    """A value held where attribute tracking cannot see it (a plain object)."""
+
+    def __init__(self, value) -> None:
+        self.value = value
 
 
 def keras_optimizers() -> dict[str, type]:
@@ -173,8 +188,8 @@ def create(name: str, learning_rate, variables, weight_decay: float = 0.0,
            momentum: float = 0.9, precision: str = "float32",
            ema_decay: float = 0.0, lr_multipliers_text: str = "",
            options_text: str = "", decay_vectors: bool = False,
-           freeze_text: str = "", steps_per_epoch: int = 1
-           ) -> keras.optimizers.Optimizer:
+           freeze_text: str = "", steps_per_epoch: int = 1,
+           step_counter: tf.Variable | None = None) -> keras.optimizers.Optimizer:
     """Builds and *builds* the optimizer `name` (any of `names()`; slot variables
     exist before the first step), wrapped by `summed`.
 
@@ -187,7 +202,8 @@ def create(name: str, learning_rate, variables, weight_decay: float = 0.0,
     decay_vectors (airbench decays them too). ema_decay > 0 keeps
     a moving average of the weights (see trainer/averaging.py). freeze_text
     ('PATTERN=EPOCHS,...', --freeze_after_epochs): matching variables get no
-    update from that epoch on (epochs of `steps_per_epoch` steps).
+    update from that epoch on (epochs of `steps_per_epoch` steps of
+    `step_counter`, the run's step; default: the optimizer's iteration count).
     """
     classes = keras_optimizers()
     if name not in classes:
@@ -214,6 +230,8 @@ def create(name: str, learning_rate, variables, weight_decay: float = 0.0,
         decayed = [bool(optimizer.weight_decay) and s is not None
                    and not any(v is u for u in undecayed) for v, s in zip(variables, steps)]
         optimizer.set_freeze_steps(steps, decayed)
+        if step_counter is not None:
+            optimizer.set_step_counter(step_counter)
         # Keras' exclusion list is one set, replaced by each call: give it everything.
         undecayed += [v for v, s in zip(variables, steps) if s is not None]
     if undecayed:

@@ -72,3 +72,26 @@ def sample_points(schedule: WarmupSchedule, num: int = 6) -> list[tuple[int, flo
 def describe(schedule: WarmupSchedule) -> str:
     """'step 0: 0, step 194: 0.321, ...' for the log."""
     return ", ".join(f"step {s}: {lr:.3g}" for s, lr in sample_points(schedule))
+
+
+class _OnStep(keras.optimizers.schedules.LearningRateSchedule):
+    """A schedule read at the run's step counter instead of the optimizer's own
+    iteration count: every optimizer of a state (a GAN's two, one that updates
+    every other step) follows the run's schedule at the run's step."""
+
+    def __init__(self, schedule, step: tf.Variable):
+        self.schedule = schedule
+        self._step = lambda: step  # (not an attribute an optimizer would track)
+
+    def __call__(self, iterations) -> tf.Tensor:
+        return self.schedule(self._step())
+
+    def get_config(self) -> dict:
+        return self.schedule.get_config()
+
+
+def on_step(schedule, step: tf.Variable | None):
+    """`schedule` (or a constant) read at `step`; as it is without a step."""
+    if step is None or not isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+        return schedule
+    return _OnStep(schedule, step)

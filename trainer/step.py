@@ -1,32 +1,49 @@
 """What ONE replica does with its slice of the global batch: the training math.
 
-Edit this file to change how a step trains (a second pass, a new gradient
-transformation, a new step setting); edit the run's task (trainer/tasks/) to change
-what it optimizes and measures (the loss, the metrics, evaluation). A new step
-setting is a field of `StepOptions` (filled from the Config field of the same name,
-so add that too, with its help text: the flag comes from it) and its use below.
-A new metric is one more key in the dict a step returns: the log line,
-TensorBoard and metrics.json show every key. Check a changed step with
-`python -m trainer.check_step`.
+`train_step` below is the step every task trains with unless it has its own
+(`Task.train_step`: a GAN's two updates, an EMA teacher updated after the
+optimizer). Both are written with the same public pieces, in the order a step
+needs them:
+
+    summed_gradients(objective, batch, options)   forward, backward, THE all-reduce
+    gradient_at_offset / sam_gradient             a second pass at moved weights
+    apply_or_skip(optimizer, grads, vars, finite) one update, or none if not finite
+    per_step(value)                               a metric that is one value a step
+
+An `Objective` says what to differentiate: a function of the batch returning the
+per-example loss and metrics, and the variables. Random numbers in a step come
+from trainer/randomness.py (the same on every replica and after a resume).
+Settings of the step are `StepOptions` fields (filled from the Config fields of the
+same names: add both, with help text in trainer/config.py). A new metric is one
+more key in the dict a step returns: the log line, TensorBoard and metrics.json
+show every key (a name starting with "_" is the loop's, not shown). Check a
+changed step with `python -m trainer.check_step`.
 
 Batches are dicts from the data pipeline: "image", "label" (int; a task that reads
-no labels ignores it), optionally "target" (soft targets [B, classes], from mixup)
-and, in evaluation, "mask" (0 for padding).
+no labels ignores it), "index" (each example's key, for per-example random draws),
+optionally "target" (soft targets [B, classes], from mixup), in evaluation "mask"
+(0 for padding), or what the task's `training_batch` makes (e.g. two views).
 Metrics are (total, weight) pairs summed over replicas and steps; what is shown is
 total / weight, so sums over examples and per-step values (`per_step`) both come
 out right.
 """
 import dataclasses
+from typing import Callable
 
 import keras
 import tensorflow as tf
 
 from trainer import averaging, distributed, optimizers
+from trainer.state import MAIN, TrainState
 from trainer.tasks import Task
 from trainer.tasks.base import Metric  # (total, weight): shown as total / weight
 
 SUM = tf.distribute.ReduceOp.SUM
 STEP_METRICS = ("loss", "grad_norm", "skipped")  # the step's own
+
+# One update with the given (already summed) gradients, or none where `finite` is
+# false; the optimizer's iteration count advances either way. (trainer/optimizers.py)
+apply_or_skip = optimizers.apply_or_skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +70,21 @@ class StepOptions:
                       **derived})
 
 
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What a gradient is taken of. loss_fn(batch) -> (per-example loss [B],
+    {name: (total, weight)} of metrics), run on this replica's (micro-)batch;
+    `variables`: what to differentiate it for; `models`: those the forward pass ran
+    in training mode (their regularization losses are added; a second pass puts
+    back their batch-norm statistics); `optimizer`: the one that will apply the
+    gradient (its loss scale under mixed_float16)."""
+    loss_fn: Callable[[dict], tuple[tf.Tensor, dict]]
+    variables: list
+    models: tuple = ()
+    optimizer: keras.optimizers.Optimizer | None = None
+    source: str = "the loss"  # who returned the metrics, for error lines
+
+
 def per_step(value) -> Metric:
     """A metric that is one value per step, the same on every replica (computed
     after the all-reduce, like grad_norm): shown as that value, averaged over the
@@ -60,28 +92,29 @@ def per_step(value) -> Metric:
     return tf.cast(value, tf.float32), tf.constant(1.0)
 
 
-def _mean_over_global_batch(per_example_loss: tf.Tensor, options: StepOptions):
+def global_mean(per_example_loss: tf.Tensor, options: StepOptions) -> tf.Tensor:
     # Divide by the GLOBAL batch, not this replica's share: the replicas' gradients
     # are summed, so the sum is the gradient of the global-batch mean.
     return tf.nn.compute_average_loss(per_example_loss, global_batch_size=options.batch_size)
 
 
-def _forward_backward(model, optimizer, task: Task, batch: dict, options: StepOptions):
+def _forward_backward(objective: Objective, batch: dict, options: StepOptions):
     """This replica's gradient of its part of the global mean loss, and its metrics."""
     with tf.GradientTape() as tape:
-        outputs = model(batch["image"], training=True)
-        per_example_loss, metrics = task.loss(batch, outputs)
-        loss = _mean_over_global_batch(per_example_loss, options)
-        if model.losses:  # weight regularizers: every replica and micro-batch adds them
-            loss += tf.nn.scale_regularization_loss(
-                tf.add_n(model.losses)) / options.grad_accum_steps
+        per_example_loss, metrics = objective.loss_fn(batch)
+        loss = global_mean(per_example_loss, options)
+        for model in objective.models:
+            if model.losses:  # weight regularizers: every replica and micro-batch adds them
+                loss += tf.nn.scale_regularization_loss(
+                    tf.add_n(model.losses)) / options.grad_accum_steps
         # Identity, except under mixed_float16: scaled up so float16 gradients do not
         # underflow (unscaled after the sum, below).
-        scaled_loss = optimizer.scale_loss(loss)
-    gradients = tape.gradient(scaled_loss, model.trainable_variables,
+        scaled_loss = (objective.optimizer.scale_loss(loss) if objective.optimizer
+                       is not None else loss)
+    gradients = tape.gradient(scaled_loss, objective.variables,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
     count = tf.reduce_sum(tf.ones_like(per_example_loss))
-    metrics = distributed.summable(metrics, f"task {task.name}'s loss", STEP_METRICS)
+    metrics = distributed.summable(metrics, objective.source, STEP_METRICS)
     return gradients, {"loss": (tf.reduce_sum(per_example_loss), count), **metrics}
 
 
@@ -92,99 +125,107 @@ def moving_statistics(model: keras.Model) -> list:
             if v.dtype.startswith("float") and "seed_generator" not in v.path]
 
 
-def replica_gradients(model, optimizer, task: Task, batch: dict, options: StepOptions):
+def replica_gradients(objective: Objective, batch: dict, options: StepOptions):
     """THIS replica's gradient of its part of the global mean loss (not summed
     over replicas yet), in grad_accum_steps micro-batches, and its metric sums."""
     steps = options.grad_accum_steps
     if steps == 1:
-        return _forward_backward(model, optimizer, task, batch, options)
+        return _forward_backward(objective, batch, options)
     micro = {key: tf.reshape(t, [steps, -1, *t.shape[1:]]) for key, t in batch.items()}
     gradients, sums = _forward_backward(
-        model, optimizer, task, {key: t[0] for key, t in micro.items()}, options)
+        objective, {key: t[0] for key, t in micro.items()}, options)
     for i in tf.range(1, steps):  # a graph loop: one micro-batch in memory at a time
         more, more_sums = _forward_backward(
-            model, optimizer, task, {key: t[i] for key, t in micro.items()}, options)
+            objective, {key: t[i] for key, t in micro.items()}, options)
         gradients = [g + m for g, m in zip(gradients, more)]
         sums = tf.nest.map_structure(tf.add, sums, more_sums)
     return gradients, sums
 
 
-def summed_gradients(model, optimizer, task: Task, batch: dict, options: StepOptions):
+def all_reduce_sum(values):
+    """THE cross-replica sum (of a tensor or a list of them), in a replica context."""
+    return tf.distribute.get_replica_context().all_reduce(SUM, values)
+
+
+def summed_gradients(objective: Objective, batch: dict, options: StepOptions):
     """(gradient of the GLOBAL batch's mean loss, this replica's metric sums).
 
     THE all-reduce. After it every replica holds the same gradient; anything that
     must see the whole batch's gradient (its norm, clipping, the finite check, a
     second pass) comes after it."""
-    gradients, sums = replica_gradients(model, optimizer, task, batch, options)
-    gradients = tf.distribute.get_replica_context().all_reduce(SUM, gradients)
-    return optimizers.unscale(optimizer, gradients), sums  # (mixed_float16 only)
+    gradients, sums = replica_gradients(objective, batch, options)
+    gradients = all_reduce_sum(gradients)
+    return optimizers.unscale(objective.optimizer, gradients), sums  # (mixed_float16)
 
 
-def gradient_at_offset(model, optimizer, task: Task, batch: dict, options: StepOptions,
+def gradient_at_offset(objective: Objective, batch: dict, options: StepOptions,
                        offsets: list, finite: tf.Tensor) -> list:
-    """The summed gradient at the weights + `offsets` (one per trainable variable):
-    a second forward and backward pass, for steps that take a gradient at perturbed
-    weights (SAM and its family). Afterwards the weights are bitwise what they were
-    and batch-norm's moving statistics hold only the first pass's update. Where
-    `finite` (the first gradient's) is false no offset is applied, so no NaN
-    reaches the weights and the step stays skippable."""
-    weights, statistics = model.trainable_variables, moving_statistics(model)
+    """The summed gradient at objective.variables + `offsets` (one each): a second
+    forward and backward pass, for steps that take a gradient at perturbed weights
+    (SAM and its family). Afterwards the variables are bitwise what they were and
+    the batch-norm statistics of objective.models hold only the first pass's
+    update. Where `finite` (the first gradient's) is false no offset is applied, so
+    no NaN reaches the weights and the step stays skippable."""
+    statistics = [v for model in objective.models for v in moving_statistics(model)]
+    weights = list(objective.variables)
     kept_weights = [tf.identity(w) for w in weights]
     kept_statistics = [tf.identity(v) for v in statistics]
     for weight, offset in zip(weights, offsets):
         weight.assign_add(tf.where(finite, tf.cast(offset, weight.dtype),
                                    tf.zeros_like(weight)))
-    gradients, _ = summed_gradients(model, optimizer, task, batch, options)
+    gradients, _ = summed_gradients(objective, batch, options)
     for variable, kept in zip(weights + statistics, kept_weights + kept_statistics):
         variable.assign(kept)
     return gradients
 
 
-def sam_gradient(model, optimizer, task: Task, batch: dict, options: StepOptions,
+def sam_gradient(objective: Objective, batch: dict, options: StepOptions,
                  gradients: list, grad_norm: tf.Tensor, finite: tf.Tensor):
     """Sharpness-aware minimization (Foret et al. 2021): the summed gradient at
     w + rho * g / ||g||, with g the summed gradient and its GLOBAL norm, so every
     replica moves its weights alike. Returns (that gradient, its norm: what
     clipping and the log see, whether both gradients are finite)."""
     scale = options.sam_rho / (grad_norm + 1e-12)
-    gradients = gradient_at_offset(model, optimizer, task, batch, options,
+    gradients = gradient_at_offset(objective, batch, options,
                                    [scale * g for g in gradients], finite)
     grad_norm = tf.linalg.global_norm(gradients)
     return gradients, grad_norm, tf.logical_and(finite, tf.math.is_finite(grad_norm))
 
 
-def all_finite(variables: list) -> tf.Tensor:
-    """Whether every value of every variable is finite (one bool)."""
-    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in variables])
+def supervised(state: TrainState, task: Task, name: str = MAIN) -> Objective:
+    """The task's loss on the outputs of model `name` in training mode."""
+    model = state.models[name]
+    return Objective(lambda batch: task.loss(batch, model(batch["image"], training=True)),
+                     model.trainable_variables, (model,), state.optimizers[name],
+                     f"task {task.name}'s loss")
 
 
-def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, task: Task,
-               batch: dict, options: StepOptions) -> dict[str, Metric]:
+def train_step(state: TrainState, task: Task, batch: dict,
+               options: StepOptions) -> dict[str, Metric]:
     """Forward, backward, the cross-replica sum, one update; on one replica."""
+    model, optimizer = state.models[MAIN], state.optimizers[MAIN]
+    objective = supervised(state, task)
     # Batch-norm updates its moving statistics in the forward pass, before anyone
-    # knows whether the gradient is finite: keep them, to undo a skipped step's.
+    # knows whether the gradient is finite: keep them (a few numbers per channel),
+    # to undo a skipped step's.
     statistics = moving_statistics(model)
     kept_statistics = [tf.identity(v) for v in statistics]
-    gradients, sums = summed_gradients(model, optimizer, task, batch, options)
+    gradients, sums = summed_gradients(objective, batch, options)
     grad_norm = tf.linalg.global_norm(gradients)
     finite = tf.math.is_finite(grad_norm)  # the same on every replica
 
     if options.sam_rho:  # SAM: the gradient again, at the weights moved rho uphill
-        gradients, grad_norm, finite = sam_gradient(model, optimizer, task, batch,
-                                                    options, gradients, grad_norm, finite)
-
+        gradients, grad_norm, finite = sam_gradient(objective, batch, options,
+                                                    gradients, grad_norm, finite)
     if options.clip_grad_norm:
         gradients, _ = tf.clip_by_global_norm(gradients, options.clip_grad_norm,
                                               use_norm=grad_norm)
     # One update, the same on every replica (the optimizer does not sum again), or
-    # none for a non-finite gradient; optimizer.iterations counts the step either way.
-    # A finite gradient can still overflow a weight (a huge learning rate): then the
-    # whole update is undone too, so no checkpoint ever holds a non-finite weight.
-    state = model.trainable_variables + optimizers.float_state(optimizer)
-    kept_state = [tf.identity(v) for v in state]
-    optimizers.apply_or_skip(optimizer, gradients, model.trainable_variables, finite)
-    gradient_finite, finite = finite, tf.logical_and(finite, all_finite(state))
-    for variable, kept in zip(state + statistics, kept_state + kept_statistics):
+    # none for a non-finite gradient. (An update that overflows a weight anyway, at
+    # a huge learning rate, stops the run before anything is saved: the wrapper
+    # checks the state after every step, trainer/distributed.py.)
+    apply_or_skip(optimizer, gradients, model.trainable_variables, finite)
+    for variable, kept in zip(statistics, kept_statistics):
         variable.assign(tf.where(finite, variable, kept))
     if options.lookahead_every:  # airbench: every k steps, back to the slow weights
         averaging.lookahead_step(optimizer, options.lookahead_every,
@@ -193,9 +234,8 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, task: 
     applied = tf.cast(finite, tf.float32)
     skipped = 1.0 - applied
     if optimizers.loss_scaled(optimizer):  # a gradient overflow at a finite loss is
-        loss_total = tf.distribute.get_replica_context().all_reduce(  # the loss
-            SUM, sums["loss"][0])                                     # scale's business
-        scale_only = tf.logical_and(tf.logical_not(gradient_finite),
+        loss_total = all_reduce_sum(sums["loss"][0])  # the loss scale's business
+        scale_only = tf.logical_and(tf.logical_not(finite),
                                     tf.math.is_finite(loss_total))
         skipped *= 1.0 - tf.cast(scale_only, tf.float32)
     # A skipped step's examples are not counted in the metrics.
@@ -206,8 +246,8 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, task: 
             "skipped": per_step(skipped)}
 
 
-def eval_step(model: keras.Model, task: Task, batch: dict) -> dict[str, Metric]:
-    """The task's evaluation metrics on one replica; padded examples (mask 0)
-    count 0."""
-    predictions = task.predict(model, batch["image"])
+def eval_step(state: TrainState, task: Task, batch: dict) -> dict[str, Metric]:
+    """The task's evaluation metrics of its output model on one replica; padded
+    examples (mask 0) count 0."""
+    predictions = task.predict(state.models[task.output_model], batch["image"])
     return task.eval_metrics(batch, predictions, tf.cast(batch["mask"], tf.float32))

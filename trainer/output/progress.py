@@ -171,7 +171,7 @@ class _Window:
 
     def add(self, sums: dict, num_steps: int, seconds: float) -> None:
         for key, (total, weight) in sums.items():
-            if np.size(total) == 1:
+            if np.size(total) == 1 and not key.startswith("_"):  # ("_": the loop's)
                 kept = self.sums.setdefault(key, [0.0, 0.0])
                 kept[0] += float(total)
                 kept[1] += float(weight)
@@ -209,8 +209,17 @@ def weights_checksum(model) -> str:
     return digest.hexdigest()
 
 
+def state_checksum(state) -> str:
+    """SHA-256 of everything a TrainState holds (every model, optimizer and extra
+    variable, and the step), in order: equal iff bitwise equal."""
+    digest = hashlib.sha256()
+    for _, variable in state.compared_variables():
+        digest.update(np.asarray(variable.numpy()).tobytes())
+    return digest.hexdigest()
+
+
 def log_setup(config, spec, runtime, plan, precision: str, jit: bool, schedule,
-              model, step_options) -> None:
+              state, step_options) -> None:
     """The run's set-up in a few log lines, before the first step."""
     logging.info("Strategy: %s", runtime.describe())
     logging.info("Batch: global %d = %d replicas x %d per replica%s | precision %s | "
@@ -224,9 +233,13 @@ def log_setup(config, spec, runtime, plan, precision: str, jit: bool, schedule,
         f"{name}={value}" for name, value in vars(step_options).items()))
     settings = ", ".join(f"{k}={v}" for k, v in vars(config.task_options()).items())
     logging.info("Task: %s%s", config.task, f" ({settings})" if settings else "")
-    logging.info("Model %s: %s parameters | data %s: %d train / %d eval examples | "
-                 "%d steps (%d per epoch, %.2f epochs)", config.model,
-                 f"{model.count_params():,}", config.dataset, plan.train_examples,
+    sizes = ", ".join(f"{name} {model.count_params():,}" + (
+        "" if name in state.optimizers else " (no optimizer)")
+        for name, model in state.models.items())
+    extras = (f" | extra state {', '.join(state.extras)}" if state.extras else "")
+    logging.info("Model %s: parameters %s%s | data %s: %d train / %d eval examples | "
+                 "%d steps (%d per epoch, %.2f epochs)", config.model, sizes, extras,
+                 config.dataset, plan.train_examples,
                  plan.eval_examples, plan.total_steps, plan.steps_per_epoch,
                  plan.total_steps / plan.steps_per_epoch)
     if spec.eval_pattern:

@@ -72,9 +72,13 @@ def export(model_dir: str, export_dir: str) -> str:
         raise inference.InferenceError(f"--export_dir={export_dir} exists and is not "
                                        f"empty; choose a new directory")
     trained = inference.TrainedModel(model_dir)
+    checkpoints.check_finite([(v.path, v) for v in trained.model.weights],
+                             f"the SavedModel {export_dir}")
     archive = keras.export.ExportArchive()
     archive.track(trained.model)
-    for name, (fn, signature) in serving_functions(trained).items():
+    functions = trained.task.export_functions(
+        trained.model, serving_functions(trained) if trained.task.serves_images else {})
+    for name, (fn, signature) in functions.items():
         archive.add_endpoint(name, fn, input_signature=signature)
     # Whole or not at all: written beside export_dir, then renamed to it.
     with files.written_whole(export_dir) as tmp:
@@ -105,11 +109,10 @@ def main(argv: list[str]) -> None:
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(5)
     except (inference.InferenceError, sources.DatasetError, checkpoints.CheckpointError,
-            ValueError) as err:
+            checkpoints.NonFiniteError, ValueError) as err:
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)
-    print(f"wrote SavedModel {path} (signatures: serving_default(image_bytes), "
-          f"predict_images(images))")
+    print(f"wrote SavedModel {path}")
 
 
 if __name__ == "__main__":

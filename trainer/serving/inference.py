@@ -6,7 +6,6 @@ normalization). Used by predict, export and the pictures.
 import dataclasses
 import os
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -32,9 +31,10 @@ def decode_file(path: str) -> np.ndarray:
 
 
 class TrainedModel:
-    """The model of a finished run and its task, rebuilt on this machine from
-    run_config.json and model.weights.h5 (the evaluated weights: the average with
-    --ema_decay)."""
+    """The output model of a finished run (its task's: the classifier, a GAN's
+    generator, a mean teacher's teacher) and its task, rebuilt on this machine with
+    trainer/build.py from run_config.json and model.weights.h5 (the evaluated
+    weights: the average with --ema_decay)."""
 
     def __init__(self, model_dir: str):
         config_path = os.path.join(model_dir, checkpoints.RUN_CONFIG)
@@ -46,9 +46,9 @@ class TrainedModel:
         self.config = config_lib.from_dict(checkpoints.read_run_config(model_dir))
         self.spec = _dataset_spec(self.config.dataset, model_dir)
         self.image_size = inputs.image_shape(self.config, self.spec)[0]
-        keras.mixed_precision.set_global_policy("float32")  # CPU inference
-        self.task = build.make_task(self.config, self.spec)
-        self.model = build.build_model(self.config, self.spec, self.task, weights="none")
+        run = build.build_run(self.config, self.spec, None, tf.distribute.get_strategy(),
+                              "float32", purpose=build.SERVE)  # (CPU inference)
+        self.task, self.model = run.task, run.output_model
         self.model.load_weights(weights_path)
 
     def serve(self, images: list) -> dict[str, np.ndarray]:

@@ -3,12 +3,14 @@
     python -m trainer.serving.predict --model_dir=DIR photo.jpg other.png ...
     python -m trainer.serving.predict --dataset=cifar10 --index=111        # a test image
 
-Rebuilds the model and its task from DIR/run_config.json and DIR/model.weights.h5
-(written by trainer.main; default DIR: the one trainer.main trains --model in,
-runs/<model>_<the model's recipe's dataset, or --dataset>), resizes each image to the
-model's size as evaluation does, and prints what the run's task makes of it: a
-classifier its top classes with their names and probabilities; an autoencoder
-writes the reconstruction as an image file (in --output_dir) and prints its path.
+Rebuilds the run's output model and its task from DIR/run_config.json and
+DIR/model.weights.h5 (written by trainer.main; default DIR: the one trainer.main
+trains --model in, runs/<model>_<the model's recipe's dataset, or --dataset>),
+resizes each image to the model's size as evaluation does, and prints what the
+run's task makes of it: a classifier its top classes with their names and
+probabilities; an autoencoder writes the reconstruction as an image file (in
+--output_dir) and prints its path. A task whose model takes no image (a GAN's
+generator) needs none: it writes --samples generated images as one grid.
 Exit status 2 with a one-line error on bad input.
 """
 import dataclasses
@@ -45,6 +47,7 @@ class Options:
     data_dir: str | None
     top: int  # 0: up to 5
     output_dir: str = ""  # "": DIR/predictions
+    samples: int = 16  # what a generating task (serves_images False) makes
 
 
 def _dataset_image(spec: sources.DatasetSpec, split: str, index: int,
@@ -61,6 +64,16 @@ def _dataset_image(spec: sources.DatasetSpec, split: str, index: int,
 def run(args: Options) -> list[str]:
     """The lines to print for `args`."""
     trained = inference.TrainedModel(args.model_dir)
+    output_dir = args.output_dir or os.path.join(args.model_dir, "predictions")
+    if not trained.task.serves_images:  # a generator: no input needed
+        if args.images or args.index is not None:
+            raise UsageError(f"a {trained.config.task} run generates its images: give "
+                             f"no image files or --index (--samples=N sets how many)")
+        return [f"model {trained.config.model} ({trained.config.task}) trained on "
+                f"{trained.spec.name} (from {args.model_dir})",
+                *trained.task.report_generated(trained.model,
+                                               os.path.join(output_dir, "samples"),
+                                               args.samples, seed=0)]
     if args.index is not None:
         spec = sources.get_spec(args.dataset or trained.config.dataset)
         trained.task.check_data(spec)
@@ -69,11 +82,12 @@ def run(args: Options) -> list[str]:
         items = [(f"{spec.name} {split} image {args.index} "
                   f"({image.shape[1]}x{image.shape[0]})", image, {"label": label},
                   f"{spec.name}_{split}_{args.index}")]
-    else:
+    elif args.images:
         items = [(f"{path} ({image.shape[1]}x{image.shape[0]})", image, None,
                   os.path.splitext(os.path.basename(path))[0])
                  for path, image in ((p, inference.decode_file(p)) for p in args.images)]
-    output_dir = args.output_dir or os.path.join(args.model_dir, "predictions")
+    else:
+        raise UsageError("give image files, or --index=N (with --dataset)")
     lines = [f"model {trained.config.model} ({trained.config.task}) trained on "
              f"{trained.spec.name} (from {args.model_dir}), input "
              f"{trained.image_size}x{trained.image_size}"]
@@ -109,8 +123,10 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     cli.define_flag(flag_values, flags.DEFINE_integer, "top", 0, "Classes to print "
                     "(default: up to 5).")
     cli.define_flag(flag_values, flags.DEFINE_string, "output_dir", "", "Where a task "
-                    "that makes images (autoencoder) writes them (default: "
+                    "that makes images (autoencoder, gan) writes them (default: "
                     "<model_dir>/predictions).")
+    cli.define_flag(flag_values, flags.DEFINE_integer, "samples", 16, "How many images "
+                    "a generating task (gan) makes, in one grid.")
 
 
 def default_model_dir(model: str = "", dataset: str = "",
@@ -131,7 +147,7 @@ def options_from_flags(images: list[str],
     """The Options of parsed flags and the image paths after them. Raises
     UsageError."""
     index = flag_values.index
-    if (index is None) == (not images):
+    if index is not None and images:
         raise UsageError("give image files, or --index=N (with --dataset), not both")
     # Read as given: in a process with trainer.main's flags, --dataset may be its
     # flag, whose default is a dataset rather than "the run's own".
@@ -141,7 +157,8 @@ def options_from_flags(images: list[str],
                    model_dir=flag_values.model_dir or default_model_dir(
                        model, dataset, flag_values.task),
                    split=flag_values.split, data_dir=flag_values.data_dir,
-                   top=flag_values.top, output_dir=flag_values.output_dir)
+                   top=flag_values.top, output_dir=flag_values.output_dir,
+                   samples=flag_values.samples)
 
 
 def parse(argv: list[str]) -> Options:

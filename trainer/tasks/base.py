@@ -1,9 +1,9 @@
-"""The task contract: what a run optimizes and measures.
+"""The task contract: what a run optimizes and measures, and how its step trains.
 
 A task is one file in trainer/tasks/ with a `Task` subclass decorated with
-`@register`; `--task=NAME` picks it. The step (trainer/step.py), the loop,
-evaluation, the pictures, predict, export and check_step call only the methods
-below, so nothing outside a task assumes labels, classes or argmax.
+`@register`; `--task=NAME` picks it. The loop, evaluation, the pictures, predict,
+export and check_step call only the methods below, so nothing outside a task
+assumes labels, classes or argmax.
 
 Declared (class attributes):
 - `name`, and `Settings`: a frozen dataclass of the task's own settings, each
@@ -12,12 +12,39 @@ Declared (class attributes):
   `__post_init__` (raise ConfigError).
 - `batch_keys`: the batch keys it reads ("image", "label", ...);
   `soft_targets`: whether it trains on mixed "target"s (--mixup_alpha/--cutmix_alpha).
-- `model_outputs`: the model output kinds it accepts (models.LOGITS, HEADS, IMAGE).
+- `model_outputs`: the model output kinds it accepts for --model (models.LOGITS,
+  HEADS, IMAGE, GENERATOR).
+- `output_model`: the state's model that the weights files hold and that
+  evaluation, predict and export use (default "main"; a GAN's generator, a mean
+  teacher's teacher).
 - `best_metric`, `higher_is_better`: the evaluation metric that picks
   best.weights.h5; `curve_metric`: the one summary.png plots beside the loss.
 - `recipe`: defaults for `--task=NAME` (e.g. its model), under the flags.
 
-Per replica, inside the compiled step (tensors in, tensors out):
+The state and the step (see trainer/state.py and trainer/step.py):
+- `create_state(build)`: under the strategy's scope, the TrainState: the models
+  (`build.model()`: --model; `build.model(name, ...)`: another registered one),
+  their optimizers (`build.optimizer(model)`: the run's, following the schedule
+  at the run's step), frozen models it reads (`build.frozen(model)`: a teacher),
+  extra variables (`build.variable(...)`). Default: one model and its optimizer.
+  `build.purpose` says what the state is for (build.TRAIN, EVALUATE, SERVE):
+  build only what that needs, the output model always.
+- `train_step(state, batch, options)`: per replica, -> {name: (total, weight)}.
+  Default: trainer/step.py's `train_step` (forward, `loss`, THE all-reduce, one
+  update). A step of its own composes step.py's pieces (summed_gradients,
+  apply_or_skip, gradient_at_offset, per_step) and randomness.py's draws. The
+  wrapper advances state.step after it.
+- `eval_step(state, batch)`: per replica; default: `predict` then `eval_metrics`
+  on the output model. `before_evaluation(state, evaluator)` runs first on every
+  worker (e.g. the features of the training set for a kNN classifier);
+  `finish_evaluation(result)` turns the summed metrics into the final ones (e.g.
+  a Fréchet distance from summed features).
+- `training_batch(images, labels, key, standard, normalize)`: what the input
+  pipeline yields for the step, inside tf.data (e.g. two augmented views).
+- `training_flops(state, forward, options)`: the float ops of one training step
+  per example, for the GFLOP/s of the log lines.
+
+Per replica, inside the default step (tensors in, tensors out):
 - `loss(batch, outputs)`: (the per-example training loss [B], {name: (total,
   weight)} of training metrics); the step averages the loss over the GLOBAL
   batch, adds regularizers, and reports it as "loss" beside the metrics.
@@ -30,10 +57,10 @@ Outside the step (eager numpy, or the SavedModel's graph for `serve`):
 - `check_kind(model_name)`, `check(model_name, model)`: one-line ConfigError if
   the model (declared, then built) does not fit; `check_data(spec)`: if another
   dataset does not (predict --index).
-- `build(adapt)`: under the strategy's scope, make what the task needs besides
-  the model (distill: its teacher); `adapt` is applied to any such model.
-  `extra_flops_per_image()`: the arithmetic that adds to the step (the teacher's).
-- `serve(predictions)`: the outputs of predict and of the exported SavedModel.
+- `serve(predictions)`: the outputs of predict and of the exported SavedModel;
+  `export_functions(model, image_functions)`: the SavedModel's signatures
+  (default: the image ones); `serves_images`: False for a task whose output model
+  takes no image (a generator): predict then calls `report_generated`.
 - `report(served, title, image, example, output_stem, top)`: predict's lines for
   one image (`served`: its row of `serve`; `image`: the uint8 input at the model's
   size; `example`: the dataset example, or None for a file; `output_stem`: where
@@ -43,7 +70,7 @@ Outside the step (eager numpy, or the SavedModel's graph for `serve`):
   summary.png); `samples` holds the first eval examples ("image" uint8, ...).
 """
 import dataclasses
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import keras
 import numpy as np
@@ -53,6 +80,9 @@ import models
 from data import augment, sources
 from trainer.settings import ConfigError
 from trainer.output import figures
+
+if TYPE_CHECKING:
+    from trainer.state import TrainState
 
 Metric = tuple[tf.Tensor, tf.Tensor]  # (total, weight): shown as total / weight
 
@@ -68,6 +98,8 @@ class Task:
     batch_keys: ClassVar[tuple[str, ...]] = ("image",)
     soft_targets: ClassVar[bool] = False
     model_outputs: ClassVar[tuple[str, ...]] = (models.LOGITS,)
+    output_model: ClassVar[str] = "main"
+    serves_images: ClassVar[bool] = True
     best_metric: ClassVar[str] = "loss"
     higher_is_better: ClassVar[bool] = False
     curve_metric: ClassVar[str] = "loss"
@@ -123,15 +155,55 @@ class Task:
         """ConfigError if another dataset's examples do not fit this run (predict
         --index on another dataset)."""
 
-    def build(self, adapt: Callable[[keras.Model], keras.Model] | None = None) -> None:
-        """Makes what the task needs besides the model (under the strategy's scope)."""
+    # --- the state and the step ------------------------------------------------------
 
-    def extra_flops_per_image(self) -> float:
-        """Float ops the task's loss adds per training image (a teacher's forward
-        pass), for the GFLOP/s of the log lines."""
-        return 0.0
+    def create_state(self, build) -> "TrainState":
+        """The run's state (under the strategy's scope): one model (--model) and its
+        optimizer."""
+        model = build.model()
+        return build.state({"main": model}, {"main": build.optimizer(model)})
 
-    # --- per replica, in the step ----------------------------------------------------
+    def train_step(self, state: "TrainState", batch: dict, options) -> dict[str, Metric]:
+        """One training step on one replica: trainer/step.py's supervised step."""
+        from trainer import step  # (step.py imports this module)
+        return step.train_step(state, self, batch, options)
+
+    def eval_step(self, state: "TrainState", batch: dict) -> dict[str, Metric]:
+        """One evaluation batch on one replica: `predict`, then `eval_metrics`."""
+        from trainer import step
+        return step.eval_step(state, self, batch)
+
+    def before_evaluation(self, state: "TrainState", evaluator) -> None:
+        """Runs before each evaluation, on every worker (outside the step)."""
+
+    def finish_evaluation(self, result: dict) -> dict:
+        """The evaluation's result from its summed metrics (`test_<name>` means and
+        the non-scalar sums under their names)."""
+        return result
+
+    def training_batch(self, images: tf.Tensor, labels: tf.Tensor, key: tf.Tensor,
+                       standard: Callable, normalize: Callable) -> dict:
+        """What the input pipeline yields for the step (inside tf.data, per input
+        worker), from a batch of decoded uint8 images [B, H, W, C] at the run's
+        size and their labels. `key` ([2] int64) is the batch's place in the stream:
+        seed every random choice from it (stateless ops), so the stream stays a pure
+        function of (seed, step) and a resume sees the same batches. standard(images,
+        labels, key): the run's --augment, normalization and --mixup/--cutmix
+        ({"image", "label"[, "target"]}); normalize(images, labels): the dataset's
+        normalization alone. The pipeline adds "index"."""
+        return standard(images, labels, key)
+
+    def makes_own_batches(self) -> bool:
+        return type(self).training_batch is not Task.training_batch
+
+    def training_flops(self, state: "TrainState", forward: Callable[[keras.Model], float],
+                       options) -> float:
+        """The float ops of one training step per example: 3 x the main model's
+        forward pass (`forward(model)`; the backward is about twice the forward),
+        twice over with --sam_rho (two passes a step)."""
+        return 3.0 * forward(state.models["main"]) * (2 if options.sam_rho else 1)
+
+    # --- per replica, in the default step ----------------------------------------------
 
     def loss(self, batch: dict, outputs) -> tuple[tf.Tensor, dict[str, Metric]]:
         raise NotImplementedError
@@ -147,6 +219,18 @@ class Task:
 
     def serve(self, predictions) -> dict[str, tf.Tensor]:
         raise NotImplementedError
+
+    def export_functions(self, model: keras.Model, image_functions: dict) -> dict:
+        """name -> (function, input signature) of the exported SavedModel; default
+        the image ones (serving_default of encoded images, predict_images)."""
+        return image_functions
+
+    def report_generated(self, model: keras.Model, output_stem: str, count: int,
+                         seed: int) -> list[str]:
+        """predict's lines for a task whose output model takes no image
+        (serves_images False), e.g. a grid of `count` generated samples."""
+        raise ConfigError(f"task {self.name} serves images: give predict image files "
+                          f"or --index")
 
     def report(self, served: dict[str, np.ndarray], title: str, image: np.ndarray,
                example: dict | None, output_stem: str, top: int = 5) -> list[str]:

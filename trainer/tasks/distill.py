@@ -5,20 +5,20 @@ and from a teacher, a finished run given by --teacher_dir.
 
 The teacher is rebuilt from its run_config.json and its final (or best) weights,
 under the same strategy as the student, frozen and in inference mode (batch-norm's
-moving statistics, no dropout); no gradient reaches it. Evaluation, predict and
-export are those of classification: the student alone.
+moving statistics, no dropout); no gradient reaches it. It is part of the run's
+state ("teacher"), so the checkpoint keeps it: a resume trains against the same
+teacher even if its directory changed meanwhile. Evaluation, predict and export
+are those of classification: the student alone.
 
     python -m trainer.main --task=distill --teacher_dir=runs/airbench_cifar10
 """
 import dataclasses
 import os
-from typing import Callable
-
 import keras
 import tensorflow as tf
 
 import models
-from trainer import checkpoints, flops
+from trainer import checkpoints
 from trainer.settings import ConfigError, check_range, setting
 from trainer.tasks import base, classification
 
@@ -63,8 +63,16 @@ class Distill(classification.Classification):
     Settings = Settings
     recipe = {"model": "airbench_small"}
 
-    def build(self, adapt: Callable[[keras.Model], keras.Model] | None = None) -> None:
-        """The teacher, from its run directory (one-line errors if it cannot be)."""
+    def create_state(self, build):
+        """The student and its optimizer, and (to train) the teacher, from its run
+        directory (one-line errors if it cannot be)."""
+        state = super().create_state(build)
+        if build.training:
+            self.teacher = build.frozen(self._load_teacher())
+            state.models["teacher"] = self.teacher
+        return state
+
+    def _load_teacher(self) -> keras.Model:
         directory = self.settings.teacher_dir
         config_path = os.path.join(directory, checkpoints.RUN_CONFIG)
         weights_path = os.path.join(directory, WEIGHTS[self.settings.teacher_weights])
@@ -85,21 +93,18 @@ class Distill(classification.Classification):
             raise ConfigError(f"--teacher_dir={directory} sees {size}x{size} images, the "
                               f"student {self.input_shape[0]}x{self.input_shape[1]}; set "
                               f"--image_size={size}")
-        self._architecture = dict(name=teacher["model"], num_classes=self.num_classes(),
-                                  input_shape=self.input_shape,
-                                  tiny=teacher.get("model_size") == "tiny",
-                                  options=teacher.get("model_options", ""))
         try:
-            model = models.build(**self._architecture, weights=weights_path)
+            return models.build(teacher["model"], self.num_classes(), self.input_shape,
+                                tiny=teacher.get("model_size") == "tiny",
+                                options=teacher.get("model_options", ""),
+                                weights=weights_path)
         except ValueError as err:
             raise ConfigError(f"--teacher_dir={directory}: {err}") from err
-        model = adapt(model) if adapt else model
-        model.trainable = False  # frozen: its batch-norm never uses batch statistics
-        self.teacher = model
 
-    def extra_flops_per_image(self) -> float:
-        return flops.forward_flops_per_image(lambda: models.build(**self._architecture),
-                                             self.input_shape)
+    def training_flops(self, state, forward, options) -> float:
+        """The student's training step and the teacher's forward pass."""
+        return (super().training_flops(state, forward, options)
+                + forward(state.models["teacher"]) * (2 if options.sam_rho else 1))
 
     def loss(self, batch: dict, outputs) -> tuple[tf.Tensor, dict[str, base.Metric]]:
         cross_entropy, metrics = super().loss(batch, outputs)
