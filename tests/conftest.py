@@ -132,6 +132,25 @@ def step_loop(strategy, model, optimizer, task, options, jit_compile: bool = Fal
     return loop, state
 
 
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "docs", "examples")
+
+
+def example_task(name: str):
+    """Imports docs/examples/<name>.py (a task file of the docs' worked examples,
+    registered as a task once per process, as if it were in trainer/tasks/)."""
+    import importlib.util
+    import sys
+    module_name = f"docs_examples_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            module_name, os.path.join(EXAMPLES, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
 def classification(**settings):
     """The classification task with `settings` (on the synthetic dataset's spec),
     for steps called by hand."""
@@ -144,15 +163,15 @@ def classification(**settings):
 
 @pytest.fixture
 def command(capsys, caplog):
-    """A command in this process, as its command line runs it (trainer.main's flag
-    parser, which every command shares, then the command's main):
+    """A command in this process, as its command line runs it (cli.parse_flags, the
+    parser every command shares, then the command's main):
     command("trainer.tools.benchmark", *flags) -> (exit status, stdout, stderr and
     the log). The process's start-up (TensorFlow's import, its first traces) is paid
     once per test worker instead of once per test."""
     def command(module_name: str, *args: str) -> tuple[int, str, str]:
         import importlib
         from absl.testing import flagsaver
-        from trainer import main as main_lib
+        from trainer import cli
         module = importlib.import_module(module_name)
         module.define_flags()
         status = 0
@@ -160,7 +179,7 @@ def command(capsys, caplog):
         capsys.readouterr()
         with flagsaver.flagsaver(), caplog.at_level(logging.INFO, logger="absl"):
             try:
-                main_lib.parse_flags([module_name, *args, "--verbosity=0"])
+                cli.parse_flags([module_name, *args, "--verbosity=0"])
                 module.main([module_name])
             except SystemExit as exit_:
                 status = exit_.code or 0

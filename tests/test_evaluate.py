@@ -9,7 +9,7 @@ import time
 import pytest
 
 from test_main import ROOT, TINY
-from trainer import evaluate, loop, main as main_lib
+from trainer import cli, evaluate, loop
 
 
 def _files(directory: str) -> dict[str, bytes]:
@@ -58,7 +58,7 @@ def test_no_checkpoint_is_a_one_line_error(tiny_config, capsys):
     from absl.testing import flagsaver
     evaluate.define_flags()
     with flagsaver.flagsaver(), pytest.raises(SystemExit) as exit_:  # the command's own
-        main_lib.parse_flags(["trainer.evaluate",  # parsing and main, in this process
+        cli.parse_flags(["trainer.evaluate",  # parsing and main, in this process
                               f"--model_dir={tiny_config.model_dir}"])
         evaluate.main(["trainer.evaluate"])
     assert exit_.value.code == 2

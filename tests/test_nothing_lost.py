@@ -20,7 +20,7 @@ import tensorflow as tf
 from conftest import small_tfrecord_dataset
 from data import files, tfrecords
 from trainer import checkpoints, locks
-from trainer import main as main_lib
+from trainer import cli, main as main_lib
 from trainer.tools import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,7 @@ def finished(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("finished") / "run"
     main_lib.define_flags()
     with flagsaver.flagsaver():  # the command line's run, as `run` makes it
-        main_lib.parse_flags(["trainer.main", *TINY, "--train_steps=2",
+        cli.parse_flags(["trainer.main", *TINY, "--train_steps=2",
                               "--checkpoint_every=2", f"--model_dir={model_dir}",
                               "--verbosity=0"])
         main_lib.main(["trainer.main"])

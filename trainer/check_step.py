@@ -48,7 +48,7 @@ import tensorflow as tf  # noqa: E402
 
 from data import sources  # noqa: E402
 from trainer import build, config as config_lib, distributed, inputs  # noqa: E402
-from trainer import main as main_lib, randomness  # noqa: E402
+from trainer import randomness, run_flags  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 from trainer.settings import message_of  # noqa: E402
 
@@ -56,7 +56,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    main_lib.define_flags()
+    run_flags.define_flags()
     if "check_steps" in FLAGS:
         return
     flags.DEFINE_integer("check_steps", 3, "Training steps to compare.")
@@ -391,9 +391,9 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     try:
         devices = strategy_lib.split_cpu(2)  # before anything starts TensorFlow
-        config = main_lib.config_from_flags(FLAGS)
+        config = run_flags.config_from_flags(FLAGS)
         result = run_check(config, FLAGS.check_steps, FLAGS.tolerance, devices=devices)
-    except main_lib.USER_ERRORS as err:
+    except run_flags.USER_ERRORS as err:
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)
     print(report(result, config, FLAGS.check_steps))
@@ -402,4 +402,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    cli.run(main, parse=main_lib.parse_flags)
+    cli.run(main)

@@ -1,10 +1,10 @@
 """How every command starts: `cli.run(main)` at the end of each command's file is
-absl's app.run with our flag parsing (parse_absl_flags: a wrong flag is one
-`error:` line and exit 2; a quiet default log, `--verbosity=1` shows all; the
-command's own parser may add checks, as trainer/main.py's parse_flags does), and
-`define_flag` defines a command's flags. None of it needs TensorFlow, so the
-launcher starts without it. Flags are read here and in the commands' mains, never
-by library code."""
+absl's app.run with our flag parsing (parse_flags: a wrong flag, or a float flag
+that is nan or inf, is one `error:` line and exit 2; a quiet default log,
+`--verbosity=1` shows all), and `define_flag` defines a command's flags. None of
+it needs TensorFlow, so the launcher starts without it. The run's own flags (one
+per Config field) are trainer/run_flags.py's. Flags are read here and in the
+commands' mains, never by library code."""
 import logging as std_logging
 import os
 import sys
@@ -15,6 +15,7 @@ from absl import app, flags, logging
 # Moved to data/ (data.make_tfrecords needs them and must not import trainer/);
 # the commands keep calling cli.set_native_log_level.
 from data.quiet import set_native_log_level, wants_all_logs  # noqa: F401
+from trainer.settings import non_finite
 
 DETERMINISTIC_FLAGS = ("--deterministic", "--deterministic=true", "--deterministic=True",
                        "--deterministic=1")
@@ -85,8 +86,23 @@ def parse_absl_flags(flag_values: flags.FlagValues, argv: list[str]) -> list[str
     return argv
 
 
+def parse_flags(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) -> list[str]:
+    """The parser every command runs with:
+    - parse_absl_flags: a wrong flag is one `error: ...` line, exit 2; quiet
+      library logs;
+    - a float flag that is nan or inf is the same one line (no range check sees it).
+    Returns the arguments left after the flags."""
+    argv = parse_absl_flags(flag_values, argv)
+    for name, value in flag_values.flag_values_dict().items():  # nan < 0 is False:
+        problem = non_finite(name, value)  # every range check would pass it
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            sys.exit(2)
+    return argv
+
+
 def run(main: Callable[[list[str]], None], flag_values: flags.FlagValues = flags.FLAGS,
         parse: Callable[[list[str]], list[str]] | None = None) -> None:
     """Runs a command's `main` (absl's app.run); its flags are parsed by `parse`,
-    by default parse_absl_flags(flag_values, argv)."""
-    app.run(main, flags_parser=parse or (lambda argv: parse_absl_flags(flag_values, argv)))
+    by default parse_flags(argv, flag_values)."""
+    app.run(main, flags_parser=parse or (lambda argv: parse_flags(argv, flag_values)))

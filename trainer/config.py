@@ -8,7 +8,6 @@ in its file (trainer/tasks/), made into flags the same way and kept in
 `resolve`; library code below takes this object or plain values.
 """
 import dataclasses
-import math
 import os
 import re
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 from data import augment as augment_lib, sources
 import models
 from trainer import optimizers, recipes, schedules, tasks
-from trainer.settings import ConfigError, setting as _  # noqa: F401 (ConfigError: re-exported)
+from trainer.settings import ConfigError, non_finite, setting as _  # noqa: F401 (re-exported)
 
 STRATEGIES = ("auto", "tpu", "mirrored", "multi_worker", "one_device")
 PRECISIONS = ("auto", "float32", "mixed_bfloat16", "mixed_float16")
@@ -248,19 +247,6 @@ def profile_range(text: str) -> tuple[int, int]:
         raise ConfigError(f"--profile_steps={text!r}: give two steps 'A,B' with "
                           f"0 <= A < B, e.g. '20,30'")
     return first, last
-
-
-FLOAT32_MAX = 3.4028234663852886e38  # TensorFlow computes every setting in float32
-
-
-def non_finite(name: str, value) -> str | None:
-    """The problem with a float setting that is nan, inf, or beyond float32 (where
-    it would be inf); None for any other value."""
-    if isinstance(value, float) and not (math.isfinite(value)
-                                         and abs(value) <= FLOAT32_MAX):
-        return (f"--{name}={value}: give a finite number"
-                + ("" if not math.isfinite(value) else " (at most 3.4e38: float32)"))
-    return None
 
 
 def _check_choice(name: str, value: str, valid) -> None:

@@ -28,7 +28,7 @@ import tensorflow as tf  # noqa: E402
 
 from data import files  # noqa: E402
 from trainer import averaging, build, checkpoints, distributed, evaluation  # noqa: E402
-from trainer import config as config_lib, inputs, locks, main as main_lib  # noqa: E402
+from trainer import config as config_lib, inputs, locks, run_flags  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 from trainer.settings import message_of  # noqa: E402
 from trainer.output import progress as progress_lib, summaries  # noqa: E402
@@ -185,7 +185,7 @@ def main(argv: list[str]) -> None:
         with locks.held(output_dir, "trainer.evaluate"):  # one writer per directory
             records = evaluate_checkpoints(FLAGS.model_dir, output_dir, FLAGS.checkpoint,
                                            FLAGS.watch, FLAGS.timeout, FLAGS.data_dir)
-    except main_lib.USER_ERRORS as err:
+    except run_flags.USER_ERRORS as err:
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)
     except files.WriteError as err:  # as trainer.main: the file named, status 5
@@ -199,4 +199,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    cli.run(main, parse=main_lib.parse_flags)
+    cli.run(main)

@@ -11,7 +11,6 @@ last good checkpoint and the previous complete file are kept); 75
 preempted by SIGTERM
 (a checkpoint of the current step was saved: run the same command to resume).
 """
-import dataclasses
 import logging as std_logging
 import os
 import sys
@@ -23,75 +22,24 @@ cli.set_native_log_level(sys.argv)
 
 from absl import flags, logging  # noqa: E402
 
-from data import files, sources  # noqa: E402
-import models  # noqa: E402
-from trainer import checkpoints, config as config_lib, faults, locks, loop  # noqa: E402
-from trainer import tasks  # noqa: E402
+from data import files  # noqa: E402
+from trainer import checkpoints, faults, locks, loop, run_flags  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 from trainer.settings import message_of  # noqa: E402
 
 FLAGS = flags.FLAGS
-
-# Errors that mean "the user asked for something impossible": one line, status 2.
-USER_ERRORS = (config_lib.ConfigError, sources.DatasetError, strategy_lib.DeviceError,
-               checkpoints.CheckpointError)
-
-
-# --- The run's flag parsing (cli.parse_absl_flags, then the run's own checks) ---------
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """The parser every TensorFlow command gives cli.run:
-    - cli.parse_absl_flags: a wrong flag is one `error: ...` line, exit 2; quiet
-      library logs;
-    - a float flag that is nan or inf is the same one line (no range check sees it).
-    Returns the arguments left after the flags."""
-    argv = cli.parse_absl_flags(FLAGS, argv)
-    for name, value in FLAGS.flag_values_dict().items():  # nan < 0 is False: every
-        problem = config_lib.non_finite(name, value)  # range check would pass it
-        if problem:
-            print(f"error: {problem}", file=sys.stderr)
-            sys.exit(2)
-    return argv
-
-
-# --- This command's flags: one per Config field -------------------------------------
-
-def _setting_fields() -> list[dataclasses.Field]:
-    """Every Config field that is a flag, then every task's settings."""
-    return [*(f for f in dataclasses.fields(config_lib.Config)
-              if f.name in config_lib.FLAG_FIELDS),
-            *tasks.all_setting_fields().values()]
+USER_ERRORS = run_flags.USER_ERRORS
 
 
 def define_flags() -> None:
-    """The run's flags (also called by tests and trainer.check_step; defining twice
-    is a no-op): one per Config field and one per task setting, its default and
-    help from the field."""
-    definers = {str: flags.DEFINE_string, int: flags.DEFINE_integer,
-                float: flags.DEFINE_float, bool: flags.DEFINE_bool}
-    for field in _setting_fields():
-        kind = type(field.default) if field.default is not None else str
-        cli.define_flag(FLAGS, definers[kind], field.name, field.default,
-                        field.metadata["help"])
+    """This command's flags: the run's (trainer/run_flags.py), and --plot_schedule."""
+    run_flags.define_flags()
     cli.define_flag(FLAGS, flags.DEFINE_bool, "plot_schedule", False, "Write the "
                     "learning-rate schedule of these settings to <model_dir>/lr_schedule.png "
                     "and exit without training.")
 
 
-def config_from_flags(flag_values: flags.FlagValues = FLAGS) -> config_lib.Config:
-    """The validated Config: the model's recipe, the flags given over it."""
-    names = [f.name for f in _setting_fields()]
-    config, origin = config_lib.resolve(
-        {name: flag_values[name].value for name in names},
-        {name for name in names if flag_values[name].present})
-    if origin:
-        values = {**config.as_dict(), **config.task_settings}
-        logging.info("Recipe for %s: %s", config.model, ", ".join(
-            f"{name}={values[name]} ({source})" for name, source in origin.items()
-            if name in values))
-    return config_lib.validate(config, models.names(), sources.names())
-
-
+# Errors that mean "the user asked for something impossible": one line, status 2.
 def _leave_without_tensorflow_shutdown() -> None:
     """A non-chief worker whose run is done (the loop's last all-reduce passed, so
     every worker is done too) exits at once: TensorFlow's own shutdown would wait on
@@ -115,7 +63,7 @@ def main(argv: list[str]) -> None:
     std_logging.getLogger("tensorflow").handlers.clear()
     try:
         with faults.SigtermWatcher() as sigterm:  # from here SIGTERM is one line, 75
-            config = config_from_flags()
+            config = run_flags.config_from_flags()
             # One trainer per run directory (the chief holds it for a multi-worker
             # job), from before anything is written to it until any exit.
             with locks.held(config.model_dir, "trainer.main",
@@ -152,4 +100,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    cli.run(main, parse=parse_flags)
+    cli.run(main)

@@ -54,18 +54,18 @@ class _SummedGradients:
 
     def set_step_counter(self, step: tf.Variable) -> None:
         """The run's step counter (trainer/state.py), which the freezes read instead
-        of this optimizer's own iteration count (held in a tuple: not tracked as
-        this optimizer's variable)."""
-        self._run_step = (step,)
+        of this optimizer's own iteration count (held where attribute tracking
+        cannot see it: it is the state's variable, not this optimizer's)."""
+        self._run_step = _Hidden(step)
 
     def set_freeze_steps(self, steps: list[int | None], decayed: list[bool]) -> None:
         """Variable i gets no update at all once the run's step (set_step_counter;
         else optimizer.iterations) reaches steps[i] (None: never): no gradient
         step and no weight decay, as a PyTorch parameter with requires_grad=False
-        (airbench freezes its whitening bias after 3 epochs). Its decoupled weight decay (decayed[i]) is applied in
-        update_step, where the freeze can skip it: `create` excludes such variables
-        from Keras' own decay pass, which runs before the update with the same
-        formula."""
+        (airbench freezes its whitening bias after 3 epochs). Its decoupled weight
+        decay (decayed[i]) is applied in update_step, where the freeze can skip it:
+        `create` excludes such variables from Keras' own decay pass, which runs
+        before the update with the same formula."""
         self._freeze_steps, self._decayed_here = tuple(steps), tuple(decayed)
 
     def update_step(self, gradient, variable, learning_rate):

@@ -3,6 +3,7 @@ command makes its flags from them (trainer/main.py): the run's `Config`
 (trainer/config.py) and each task's own `Settings` (trainer/tasks/). And the one
 error type a command prints as one line with exit status 2."""
 import dataclasses
+import math
 from typing import Any
 
 
@@ -46,3 +47,16 @@ def message_of(error: BaseException) -> str:
     message = metadata.cause_message.strip()  # "TypeError: the message"
     prefix = f"{type(error).__name__}: "
     return message[len(prefix):] if message.startswith(prefix) else message
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # TensorFlow computes every setting in float32
+
+
+def non_finite(name: str, value) -> str | None:
+    """The problem with a float setting that is nan, inf, or beyond float32 (where
+    it would be inf); None for any other value."""
+    if isinstance(value, float) and not (math.isfinite(value)
+                                         and abs(value) <= FLOAT32_MAX):
+        return (f"--{name}={value}: give a finite number"
+                + ("" if not math.isfinite(value) else " (at most 3.4e38: float32)"))
+    return None

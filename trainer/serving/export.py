@@ -22,7 +22,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from data import augment, files, sources  # noqa: E402
-from trainer import checkpoints, inputs, main as main_lib  # noqa: E402
+from trainer import checkpoints, inputs  # noqa: E402
 from trainer.serving import inference  # noqa: E402
 from trainer.settings import message_of  # noqa: E402
 
@@ -117,4 +117,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    cli.run(main, parse=main_lib.parse_flags)
+    cli.run(main)

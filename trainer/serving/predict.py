@@ -25,7 +25,7 @@ from absl import flags  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from data import sources  # noqa: E402
-from trainer import checkpoints, config as config_lib, main as main_lib, recipes  # noqa: E402
+from trainer import checkpoints, config as config_lib, recipes  # noqa: E402
 from trainer import inputs, tasks  # noqa: E402
 from trainer.serving import inference  # noqa: E402
 
@@ -183,4 +183,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    cli.run(main, parse=main_lib.parse_flags)
+    cli.run(main)

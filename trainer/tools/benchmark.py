@@ -36,7 +36,6 @@ from trainer import build, distributed, inputs  # noqa: E402
 from trainer.flops import peak_flops, training_flops_per_image  # noqa: E402
 from trainer.config import Config  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
-from trainer import main as main_lib  # noqa: E402  (its flags parser)
 
 FLAGS = flags.FLAGS
 
@@ -290,4 +289,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    cli.run(main, parse=main_lib.parse_flags)
+    cli.run(main)

@@ -23,7 +23,6 @@ cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 from absl import flags  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from trainer import main as main_lib  # noqa: E402  (its flags parser)
 
 FLAGS = flags.FLAGS
 
@@ -152,4 +151,4 @@ if __name__ == "__main__":
     flags.DEFINE_string("metric", "", "The eval metric to compare, e.g. test_accuracy "
                         "(default: the one that picked the runs' best weights).")
     flags.DEFINE_string("plot", "", "Write the runs' accuracy-vs-seconds curves here.")
-    cli.run(main, parse=main_lib.parse_flags)
+    cli.run(main)

@@ -21,7 +21,6 @@ import tensorflow as tf  # noqa: E402
 
 from data import augment, sources  # noqa: E402
 import models  # noqa: E402
-from trainer import main as main_lib  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -98,4 +97,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    cli.run(main, parse=main_lib.parse_flags)
+    cli.run(main)

@@ -29,7 +29,7 @@ from absl import flags
 import tensorflow as tf
 
 from data import files
-from trainer import cli, locks, main as main_lib
+from trainer import cli, locks
 
 FLAGS = flags.FLAGS
 
@@ -179,4 +179,4 @@ def leftovers(directory: str) -> list[str]:
 
 if __name__ == "__main__":
     define_flags()
-    cli.run(main, parse=main_lib.parse_flags)
+    cli.run(main)

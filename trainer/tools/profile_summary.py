@@ -22,7 +22,6 @@ cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 from absl import flags  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from trainer import main as main_lib  # noqa: E402  (its flags parser)
 
 FLAGS = flags.FLAGS
 
@@ -127,4 +126,4 @@ if __name__ == "__main__":
     flags.DEFINE_string("logdir", None, "A run's model_dir (or any directory above its "
                         "trace).", required=True)
     flags.DEFINE_integer("top", 15, "How many op types to list.")
-    cli.run(main, parse=main_lib.parse_flags)
+    cli.run(main)

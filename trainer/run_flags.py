@@ -1,0 +1,51 @@
+"""The run's flags, shared by every command that builds a run (training,
+check_step, the benchmark): one absl flag per `Config` field and per task setting,
+made from the field's default and help text, and the validated Config they make
+(the task's and the model's recipe under the flags given). And the errors every
+command prints as one `error:` line with exit status 2."""
+import dataclasses
+
+from absl import flags, logging
+
+from data import sources
+import models
+from trainer import checkpoints, cli, config as config_lib, tasks
+from trainer import strategy as strategy_lib
+
+FLAGS = flags.FLAGS
+
+# Errors that mean "the user asked for something impossible": one line, status 2.
+USER_ERRORS = (config_lib.ConfigError, sources.DatasetError, strategy_lib.DeviceError,
+               checkpoints.CheckpointError)
+
+
+def _setting_fields() -> list[dataclasses.Field]:
+    """Every Config field that is a flag, then every task's settings."""
+    return [*(f for f in dataclasses.fields(config_lib.Config)
+              if f.name in config_lib.FLAG_FIELDS),
+            *tasks.all_setting_fields().values()]
+
+
+def define_flags() -> None:
+    """The run's flags (defining twice is a no-op): one per Config field and one
+    per task setting, its default and help from the field."""
+    definers = {str: flags.DEFINE_string, int: flags.DEFINE_integer,
+                float: flags.DEFINE_float, bool: flags.DEFINE_bool}
+    for field in _setting_fields():
+        kind = type(field.default) if field.default is not None else str
+        cli.define_flag(FLAGS, definers[kind], field.name, field.default,
+                        field.metadata["help"])
+
+
+def config_from_flags(flag_values: flags.FlagValues = FLAGS) -> config_lib.Config:
+    """The validated Config: the model's recipe, the flags given over it."""
+    names = [f.name for f in _setting_fields()]
+    config, origin = config_lib.resolve(
+        {name: flag_values[name].value for name in names},
+        {name for name in names if flag_values[name].present})
+    if origin:
+        values = {**config.as_dict(), **config.task_settings}
+        logging.info("Recipe for %s: %s", config.model, ", ".join(
+            f"{name}={values[name]} ({source})" for name, source in origin.items()
+            if name in values))
+    return config_lib.validate(config, models.names(), sources.names())
