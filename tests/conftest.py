@@ -56,6 +56,17 @@ def _float32_policy():
     tf_config.disable_op_determinism()
 
 
+@pytest.fixture(autouse=True)
+def _no_example_tasks_left():
+    """The docs' example tasks (example_task) are registered for the test that
+    imports them only: the registry other tests see is trainer/tasks/'s."""
+    yield
+    from trainer.tasks import base
+    for name, cls in list(base._TASKS.items()):
+        if cls.__module__.startswith("docs_examples_"):
+            del base._TASKS[name]
+
+
 @pytest.fixture(params=["one_device", "mirrored"])
 def strategy(request) -> tf.distribute.Strategy:
     if request.param == "one_device":
@@ -126,9 +137,11 @@ def step_loop(strategy, model, optimizer, task, options, jit_compile: bool = Fal
     from trainer import distributed, state as state_lib, step
     with strategy.scope():
         state = state_lib.single(model, optimizer)
-    loop = distributed.make_train_loop(
-        strategy, lambda batch: step.train_step(state, task, batch, options), jit_compile,
-        state=state)
+
+    def replica_step(batch):  # a def, not a lambda: AutoGraph converts what it calls
+        return step.train_step(state, task, batch, options)
+
+    loop = distributed.make_train_loop(strategy, replica_step, jit_compile, state=state)
     return loop, state
 
 
@@ -148,7 +161,13 @@ def example_task(name: str):
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
         spec.loader.exec_module(module)
-    return sys.modules[module_name]
+    from trainer.tasks import base
+    module = sys.modules[module_name]
+    for value in vars(module).values():  # registered again after an earlier test
+        if (isinstance(value, type) and issubclass(value, base.Task)
+                and value.__module__ == module_name and value.name not in base._TASKS):
+            base.register(value)
+    return module
 
 
 def classification(**settings):

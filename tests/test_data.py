@@ -68,7 +68,7 @@ def test_train_pipeline_shapes_dtypes_and_drop_remainder():
     ds = pipeline.make_train(_indexed(20), _context(replicas=2), 8,
                              augment.pad_crop_flip, _identity_normalize, shuffle_buffer=20)
     batch = next(iter(ds))
-    assert sorted(batch) == ["image", "label"]  # no "target" without a mix
+    assert sorted(batch) == ["image", "index", "label"]  # no "target" without a mix
     assert batch["image"].shape == (4, 8, 8, 3) and batch["image"].dtype == tf.float32
     assert batch["label"].shape == (4,) and batch["label"].dtype == tf.int32
 
@@ -270,7 +270,7 @@ def test_eval_counts_every_example_exactly_once(n, batch, pipelines):
         batches = list(ds)
         steps.add(len(batches))
         for element in batches:
-            assert sorted(element) == ["image", "label", "mask"]
+            assert sorted(element) == ["image", "index", "label", "mask"]
             labels, mask = element["label"].numpy(), element["mask"].numpy()
             assert element["mask"].dtype == tf.float32 and element["label"].dtype == tf.int32
             counted += labels[mask == 1].tolist()

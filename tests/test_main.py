@@ -106,7 +106,7 @@ def test_tpu_local_falls_back_with_a_warning_unless_required(tmp_path, run):
     ({"optimizer_options": "beta_3=1"}, "'beta_3=1' is not an option of adam; valid: "
      "beta_1=VALUE"),
     ({"task": "segmentation"}, "unknown task 'segmentation'; valid: autoencoder, "
-     "classification, distill"),
+     "classification, distill, gan, simclr"),
     ({"precision": "fp8"}, "unknown precision 'fp8'"),
     ({"lr_schedule": "onecycle"}, "unknown lr_schedule 'onecycle'"),
     ({"strategy": "ps"}, "unknown strategy 'ps'"),

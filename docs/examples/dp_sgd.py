@@ -58,7 +58,8 @@ class DPSGD(classification.Classification):
                 loss = classification.objective(label[None], logits)[0]
             gradients = tape.gradient(loss, variables,
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            scale = tf.minimum(1.0, clip / (tf.linalg.global_norm(gradients) + 1e-12))
+            norm = tf.linalg.global_norm(gradients)
+            scale = tf.minimum(clip / (norm + 1e-12), tf.ones_like(norm))
             return [g * tf.cast(scale, g.dtype) for g in gradients], loss
 
         signature = ([tf.TensorSpec(v.shape, v.dtype) for v in variables],
