@@ -249,3 +249,25 @@ def stopped_then_resumed(config, monkeypatch, at_step: int) -> dict:
         loop.train_and_evaluate(config)
     monkeypatch.setattr(progress.Progress, "show", original_show)
     return loop.train_and_evaluate(config)
+
+
+def plain_and_compiled_states(config, batch: dict, steps: int = 2) -> list[list]:
+    """The run of `config` (build.build_run, one CPU device) trained `steps` times on
+    `batch` with the plain step, then with jit_compile=True, from the same seed:
+    [[(name, value) of the state's compared variables], ...] for the two."""
+    from data import sources
+    from trainer import build, distributed
+    spec = sources.get_spec(config.dataset)
+    plan = build.plan(config, spec, 1)
+    strategy = tf.distribute.OneDeviceStrategy(CPUS[0])
+    states = []
+    for jit in (False, True):
+        tf.keras.utils.set_random_seed(0)
+        run = build.build_run(config, spec, plan, strategy)
+        train_loop = distributed.make_train_loop(strategy, run.train_step, jit,
+                                                 state=run.state)
+        dataset = tf.data.Dataset.from_tensors(batch).repeat()
+        train_loop(iter(strategy.experimental_distribute_dataset(dataset)),
+                   tf.constant(steps), tf.constant(0.0))
+        states.append([(name, v.numpy()) for name, v in run.state.compared_variables()])
+    return states

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import CPUS, example_task, stopped_then_resumed
+from conftest import CPUS, example_task, plain_and_compiled_states, stopped_then_resumed
 from test_check_step import _teacher_run
 from trainer import check_step, checkpoints, loop, randomness, step
 from trainer.tasks import gan, simclr
@@ -339,15 +339,10 @@ def test_step_pieces_are_public():
 def test_a_tasks_own_step_compiles_with_xla_and_matches_the_plain_step(task, tiny_config):
     """A TPU compiles everything: gan's and simclr's steps under jit_compile=True
     give the plain step's state (test_tasks.py does it for the other tasks)."""
-    from data import sources
-    from trainer import build, distributed
     config = (_gan(tiny_config) if task == "gan"
               # SGD: Adam's first steps are +-lr wherever a gradient is near 0, so
               # XLA's other rounding there would flip whole steps
               else _simclr(tiny_config).replace(model="convnet", optimizer="sgd"))
-    spec = sources.get_spec(config.dataset)
-    plan = build.plan(config, spec, 1)
-    strategy = tf.distribute.OneDeviceStrategy(CPUS[0])
     images = tf.random.stateless_normal((16, 32, 32, 3), (1, 2))
     batch = {"index": tf.range(16)}
     if task == "gan":
@@ -355,16 +350,7 @@ def test_a_tasks_own_step_compiles_with_xla_and_matches_the_plain_step(task, tin
     else:
         batch.update(view_1=images, view_2=tf.image.flip_left_right(images),
                      label=tf.zeros(16, tf.int32))
-    states = []
-    for jit in (False, True):
-        tf.keras.utils.set_random_seed(0)
-        run = build.build_run(config, spec, plan, strategy)
-        train_loop = distributed.make_train_loop(strategy, run.train_step, jit,
-                                                 state=run.state)
-        dataset = tf.data.Dataset.from_tensors(batch).repeat()
-        train_loop(iter(strategy.experimental_distribute_dataset(dataset)),
-                   tf.constant(2), tf.constant(0.0))
-        states.append([(name, v.numpy()) for name, v in run.state.compared_variables()])
+    states = plain_and_compiled_states(config, batch)
     assert len(states[0]) == len(states[1]) > 4  # (Keras numbers the layers anew)
     for (name, plain), (_, compiled) in zip(*states):
         np.testing.assert_allclose(plain, compiled, rtol=1e-4, atol=1e-5, err_msg=name)
