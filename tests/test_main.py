@@ -199,13 +199,13 @@ def test_recipe_defaults_yield_to_explicit_flags():
     with flagsaver.flagsaver():
         main_lib.FLAGS(["trainer.main", "--model=squeezenet", "--epochs=3",
                         "--batch_size=32"])
-        config = run_flags.config_from_flags()
+        config = run_flags.config_from_flags(main_lib.FLAGS)
     assert config.dataset == "tf_flowers" and config.image_size == 192  # recipe
     assert config.epochs == 3 and config.batch_size == 32  # flags win
     assert config.model_dir == os.path.join("runs", "squeezenet_tf_flowers")
     with flagsaver.flagsaver():
         main_lib.FLAGS(["trainer.main", "--model=xception"])
-        config = run_flags.config_from_flags()
+        config = run_flags.config_from_flags(main_lib.FLAGS)
     assert (config.lr_schedule, config.epochs, config.warmup_epochs) == ("rampup", 12, 5.0)
 
 

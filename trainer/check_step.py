@@ -56,7 +56,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    run_flags.define_flags()
+    run_flags.define_flags(FLAGS)
     if "check_steps" in FLAGS:
         return
     flags.DEFINE_integer("check_steps", 3, "Training steps to compare.")

@@ -33,7 +33,7 @@ USER_ERRORS = run_flags.USER_ERRORS
 
 def define_flags() -> None:
     """This command's flags: the run's (trainer/run_flags.py), and --plot_schedule."""
-    run_flags.define_flags()
+    run_flags.define_flags(FLAGS)
     cli.define_flag(FLAGS, flags.DEFINE_bool, "plot_schedule", False, "Write the "
                     "learning-rate schedule of these settings to <model_dir>/lr_schedule.png "
                     "and exit without training.")
@@ -63,7 +63,7 @@ def main(argv: list[str]) -> None:
     std_logging.getLogger("tensorflow").handlers.clear()
     try:
         with faults.SigtermWatcher() as sigterm:  # from here SIGTERM is one line, 75
-            config = run_flags.config_from_flags()
+            config = run_flags.config_from_flags(FLAGS)
             # One trainer per run directory (the chief holds it for a multi-worker
             # job), from before anything is written to it until any exit.
             with locks.held(config.model_dir, "trainer.main",

@@ -12,8 +12,6 @@ import models
 from trainer import checkpoints, cli, config as config_lib, tasks
 from trainer import strategy as strategy_lib
 
-FLAGS = flags.FLAGS
-
 # Errors that mean "the user asked for something impossible": one line, status 2.
 USER_ERRORS = (config_lib.ConfigError, sources.DatasetError, strategy_lib.DeviceError,
                checkpoints.CheckpointError)
@@ -26,19 +24,21 @@ def _setting_fields() -> list[dataclasses.Field]:
             *tasks.all_setting_fields().values()]
 
 
-def define_flags() -> None:
-    """The run's flags (defining twice is a no-op): one per Config field and one
-    per task setting, its default and help from the field."""
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """The run's flags on the command's `flag_values` (defining twice is a no-op):
+    one per Config field and one per task setting, its default and help from the
+    field. Only a command's main reads them."""
     definers = {str: flags.DEFINE_string, int: flags.DEFINE_integer,
                 float: flags.DEFINE_float, bool: flags.DEFINE_bool}
     for field in _setting_fields():
         kind = type(field.default) if field.default is not None else str
-        cli.define_flag(FLAGS, definers[kind], field.name, field.default,
+        cli.define_flag(flag_values, definers[kind], field.name, field.default,
                         field.metadata["help"])
 
 
-def config_from_flags(flag_values: flags.FlagValues = FLAGS) -> config_lib.Config:
-    """The validated Config: the model's recipe, the flags given over it."""
+def config_from_flags(flag_values: flags.FlagValues) -> config_lib.Config:
+    """The validated Config from a command's parsed `flag_values`: the model's
+    recipe, the flags given over it."""
     names = [f.name for f in _setting_fields()]
     config, origin = config_lib.resolve(
         {name: flag_values[name].value for name in names},
