@@ -3,6 +3,7 @@ and simclr tasks and the docs' worked examples (a mean teacher, adversarial
 training, DP-SGD: docs/examples/) train, check_step passes them and fails or
 reports their planted bugs, a resume is bitwise for everything in the state, and
 what a state must never hold or lack is one line."""
+import dataclasses
 import os
 
 import numpy as np
@@ -324,6 +325,26 @@ def test_a_non_finite_weight_is_never_written():
     with pytest.raises(checkpoints.NonFiniteError, match="1 variable"):
         checkpoints.save_weights(model, "ram://nonfinite/model.weights.h5")
     assert not tf.io.gfile.exists("ram://nonfinite/model.weights.h5")
+
+
+def test_a_step_setting_a_tasks_own_step_does_not_carry_out_is_refused(tiny_config):
+    """--sam_rho on a GAN, micro-batches on SimCLR (each micro-batch's negatives
+    alone): one line, not a setting silently ignored. SimCLR runs the default step
+    on its loss, so it keeps the rest (clipping, SAM, Lookahead)."""
+    from data import sources
+    from trainer import build
+    from trainer.settings import ConfigError
+    spec = sources.get_spec("synthetic")
+    options = step.StepOptions(batch_size=16, sam_rho=0.05)
+    with pytest.raises(ConfigError, match=r"--task=gan .* --sam_rho \(set to 0.05\); "
+                                          r"give --sam_rho=0.0 .*: none\)"):
+        build.check_step_settings(build.make_task(_gan(tiny_config), spec), options)
+    simclr_task = build.make_task(_simclr(tiny_config), spec)
+    build.check_step_settings(simclr_task, options)  # SAM: carried out
+    with pytest.raises(ConfigError, match="--grad_accum_steps"):
+        build.check_step_settings(simclr_task, step.StepOptions(batch_size=16,
+                                                                grad_accum_steps=2))
+    assert set(step.SETTINGS) <= {f.name for f in dataclasses.fields(step.StepOptions)}
 
 
 def test_step_pieces_are_public():

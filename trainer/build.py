@@ -111,20 +111,18 @@ def build_optimizer(config: Config,
                     schedule: keras.optimizers.schedules.LearningRateSchedule | float,
                     model: keras.Model,
                     precision: str = "float32", steps_per_epoch: int = 1,
-                    step_counter: tf.Variable | None = None, name: str | None = None,
-                    options: str | None = None) -> keras.optimizers.Optimizer:
+                    step_counter: tf.Variable | None = None) -> keras.optimizers.Optimizer:
     """The run's optimizer for `model`'s trainable variables, built, with its
     learning-rate multipliers and, with --lookahead_every, the Lookahead's slow
     weights; call under the strategy's scope, after any initialisation of the
     weights. step_counter: the run's step, which the schedule and the freezes read
-    (default: the optimizer's own iteration count). name, options: another
-    optimizer than --optimizer, with its own --optimizer_options-like text."""
+    (default: the optimizer's own iteration count)."""
     try:
         optimizer = optimizers.create(
-            name or config.optimizer, schedules.on_step(schedule, step_counter),
+            config.optimizer, schedules.on_step(schedule, step_counter),
             model.trainable_variables, config.weight_decay, config.momentum, precision,
             config.ema_decay, config.lr_multipliers,
-            config.optimizer_options if options is None else options,
+            config.optimizer_options,
             config.decay_vectors, config.freeze_after_epochs, steps_per_epoch,
             step_counter)
     except ValueError as err:  # bad --optimizer_options, --lr_multipliers, --freeze_...
@@ -149,6 +147,22 @@ def init_from_data(model: keras.Model, config: Config, spec: sources.DatasetSpec
 TRAIN, EVALUATE, SERVE = "train", "evaluate", "serve"
 
 
+def check_step_settings(task: tasks.Task, options: step.StepOptions) -> None:
+    """ConfigError if the run sets a step setting the task's own step does not
+    carry out (its `step_settings`): it would be silently ignored."""
+    if type(task).train_step is tasks.Task.train_step:
+        return  # the default step: all of them
+    defaults = step.StepOptions(batch_size=options.batch_size)
+    for name in step.SETTINGS:
+        value = getattr(options, name)
+        if value != getattr(defaults, name) and name not in task.step_settings:
+            carried = ", ".join(f"--{n}" for n in task.step_settings) or "none"
+            raise ConfigError(
+                f"--task={task.name} has a step of its own that does not carry out "
+                f"--{name} (set to {value}); give --{name}={getattr(defaults, name)} "
+                f"(the step settings it carries out: {carried})")
+
+
 class StateBuilder:
     """What `Task.create_state(build)` builds with, under the run's strategy and
     precision: the run's models and optimizers, made the one way every command
@@ -170,17 +184,18 @@ class StateBuilder:
         self._adapt, self._adapt_fixed = adapt_model, adapt_fixed_model
         self.options = (step.StepOptions.from_config(config, total_steps=plan.total_steps)
                         if plan is not None else None)
+        if self.options is not None:
+            check_step_settings(task, self.options)
         self.schedule = make_schedule(config, plan) if plan is not None else None
         self.step = state_lib.new_step_counter()  # THE step counter (under the scope)
 
     def model(self, name: str | None = None, num_classes: int | None = None,
-              options: str | None = None, input_shape: tuple[int, ...] | None = None
-              ) -> keras.Model:
+              options: str | None = None) -> keras.Model:
         """A model to train. Default: --model, checked against the task, with its
         --model_options and --weights (in training) and its layers set from the
         data (patch whitening). `name`: another registered model (e.g. a GAN's
-        discriminator), with `options` (its --model_options-like text),
-        `num_classes` and `input_shape` (default: the run's image shape)."""
+        discriminator) on the run's image shape, with `options` (its
+        --model_options-like text) and `num_classes`."""
         config, spec = self.config, self.spec
         if name is None:
             model = build_model(config, spec, self.task,
@@ -190,7 +205,7 @@ class StateBuilder:
         else:
             try:
                 model = models.build(name, num_classes,
-                                     input_shape or inputs.image_shape(config, spec),
+                                     inputs.image_shape(config, spec),
                                      tiny=config.model_size == "tiny",
                                      options=options or "")
             except ValueError as err:
@@ -204,22 +219,15 @@ class StateBuilder:
         model.trainable = False
         return model
 
-    def optimizer(self, model: keras.Model, learning_rate: float | None = None,
-                  name: str | None = None, options: str | None = None
-                  ) -> keras.optimizers.Optimizer | None:
+    def optimizer(self, model: keras.Model) -> keras.optimizers.Optimizer | None:
         """The run's optimizer for `model` (--optimizer and its options, the
         --lr_schedule at the run's step, multipliers, freezes, weight decay, EMA,
-        Lookahead, loss scaling): built, slots and all. learning_rate: another peak
-        of the same schedule; name, options: another optimizer. None when the
-        state is built to serve (no optimizer is needed)."""
+        Lookahead, loss scaling): built, slots and all. None when the state is
+        built to serve (no optimizer is needed)."""
         if self.purpose == SERVE:
             return None
-        schedule = self.schedule
-        if learning_rate is not None:
-            schedule = make_schedule(self.config.replace(learning_rate=learning_rate),
-                                     self.plan)
-        return build_optimizer(self.config, schedule, model, self.precision,
-                               self.plan.steps_per_epoch, self.step, name, options)
+        return build_optimizer(self.config, self.schedule, model, self.precision,
+                               self.plan.steps_per_epoch, self.step)
 
     def variable(self, initial_value, name: str, dtype=None) -> tf.Variable:
         """An extra variable of the state (not trained by an optimizer: a queue, a

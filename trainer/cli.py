@@ -101,8 +101,7 @@ def parse_flags(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) ->
     return argv
 
 
-def run(main: Callable[[list[str]], None], flag_values: flags.FlagValues = flags.FLAGS,
-        parse: Callable[[list[str]], list[str]] | None = None) -> None:
-    """Runs a command's `main` (absl's app.run); its flags are parsed by `parse`,
-    by default parse_flags(argv, flag_values)."""
-    app.run(main, flags_parser=parse or (lambda argv: parse_flags(argv, flag_values)))
+def run(main: Callable[[list[str]], None],
+        flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Runs a command's `main` (absl's app.run), its flags parsed by parse_flags."""
+    app.run(main, flags_parser=lambda argv: parse_flags(argv, flag_values))

@@ -36,12 +36,11 @@ def _salt(name) -> int:
     return zlib.crc32(str(name).encode()) & 0x7FFFFFFF
 
 
-def step_seed(state, name, step: tf.Tensor | None = None) -> tf.Tensor:
+def step_seed(state, name) -> tf.Tensor:
     """A [2] int64 seed for `tf.random.stateless_*`: a function of (--seed, the
     step counter, `name`), the same on every replica, new every step, the same
-    again after a resume. `step`: another step's (default: the current one)."""
-    step = state.step if step is None else step
-    base = tf.stack([tf.constant(state.seed, tf.int64), tf.cast(step, tf.int64)])
+    again after a resume."""
+    base = tf.stack([tf.constant(state.seed, tf.int64), tf.cast(state.step, tf.int64)])
     return tf.random.experimental.stateless_fold_in(base, _salt(name))
 
 
@@ -89,24 +88,22 @@ def _keys(batch: dict) -> tf.Tensor:
 
 
 def per_example_uniform(state, batch: dict, name, shape=(), minval: float = 0.0,
-                        maxval: float = 1.0, dtype=tf.float32,
-                        step: tf.Tensor | None = None) -> tf.Tensor:
+                        maxval: float = 1.0, dtype=tf.float32) -> tf.Tensor:
     """[B, *shape] uniform in (minval, maxval): each example's numbers a function
     of (--seed, the step, `name`, its "index"), whichever replica or micro-batch
     holds it."""
-    return _per_example(state, batch, name, shape, step, dtype,
+    return _per_example(state, batch, name, shape, dtype,
                         lambda u: minval + (maxval - minval) * u)
 
 
-def per_example_normal(state, batch: dict, name, shape=(), dtype=tf.float32,
-                       step: tf.Tensor | None = None) -> tf.Tensor:
+def per_example_normal(state, batch: dict, name, shape=(), dtype=tf.float32) -> tf.Tensor:
     """[B, *shape] standard normal, keyed like `per_example_uniform`."""
-    return _per_example(state, batch, name, shape, step, dtype, tf.math.ndtri)
+    return _per_example(state, batch, name, shape, dtype, tf.math.ndtri)
 
 
-def _per_example(state, batch, name, shape, step, dtype, transform) -> tf.Tensor:
+def _per_example(state, batch, name, shape, dtype, transform) -> tf.Tensor:
     keys = _keys(batch)
-    return fixed_per_example(step_seed(state, name, step), keys, shape, dtype, transform)
+    return fixed_per_example(step_seed(state, name), keys, shape, dtype, transform)
 
 
 def fixed_per_example(seed: tf.Tensor, keys: tf.Tensor, shape=(), dtype=tf.float32,

@@ -99,13 +99,6 @@ class TrainState:
         return self.optimizers[MAIN]
 
 
-def all_finite(variables: list) -> tf.Tensor:
-    """Whether every value of every variable is finite (one bool; no copy made)."""
-    if not variables:
-        return tf.constant(True)
-    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in variables]))
-
-
 def new_step_counter() -> tf.Variable:
     """The step counter (call under the strategy's scope): int64, 0. Advanced in a
     replica context, it takes the first replica's update on every replica (as

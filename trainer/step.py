@@ -70,6 +70,13 @@ class StepOptions:
                       **derived})
 
 
+# The settings above that change what a step does (the rest describe the run). The
+# default train_step carries out all of them; a task with a step of its own lists
+# those it does in its `step_settings`, and a run that sets another is refused.
+SETTINGS = ("clip_grad_norm", "grad_accum_steps", "sam_rho", "lookahead_every",
+            "lookahead_decay")
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """What a gradient is taken of. loss_fn(batch) -> (per-example loss [B],
@@ -200,15 +207,18 @@ def supervised(state: TrainState, task: Task, name: str = MAIN) -> Objective:
                      f"task {task.name}'s loss")
 
 
-def train_step(state: TrainState, task: Task, batch: dict,
-               options: StepOptions) -> dict[str, Metric]:
-    """Forward, backward, the cross-replica sum, one update; on one replica."""
-    model, optimizer = state.models[MAIN], state.optimizers[MAIN]
-    objective = supervised(state, task)
+def train_step(state: TrainState, task: Task, batch: dict, options: StepOptions,
+               objective: Objective | None = None) -> dict[str, Metric]:
+    """Forward, backward, the cross-replica sum, one update; on one replica.
+    `objective`: what to descend (default: the task's loss on model "main"); a
+    task with another loss on one model and its optimizer passes its own and keeps
+    every step setting (SimCLR's contrastive loss)."""
+    objective = objective or supervised(state, task)
+    optimizer = objective.optimizer
     # Batch-norm updates its moving statistics in the forward pass, before anyone
     # knows whether the gradient is finite: keep them (a few numbers per channel),
     # to undo a skipped step's.
-    statistics = moving_statistics(model)
+    statistics = [v for model in objective.models for v in moving_statistics(model)]
     kept_statistics = [tf.identity(v) for v in statistics]
     gradients, sums = summed_gradients(objective, batch, options)
     grad_norm = tf.linalg.global_norm(gradients)
@@ -224,7 +234,7 @@ def train_step(state: TrainState, task: Task, batch: dict,
     # none for a non-finite gradient. (An update that overflows a weight anyway, at
     # a huge learning rate, stops the run before anything is saved: the wrapper
     # checks the state after every step, trainer/distributed.py.)
-    apply_or_skip(optimizer, gradients, model.trainable_variables, finite)
+    apply_or_skip(optimizer, gradients, objective.variables, finite)
     for variable, kept in zip(statistics, kept_statistics):
         variable.assign(tf.where(finite, variable, kept))
     if options.lookahead_every:  # airbench: every k steps, back to the slow weights

@@ -70,6 +70,8 @@ class Adversarial(classification.Classification):
             attacked = tf.clip_by_value(attacked, low, high)
         return tf.stop_gradient(attacked)
 
+    step_settings = step.SETTINGS  # it runs the default step, all of them
+
     def train_step(self, state, batch, options):
         """The default step (trainer/step.py) on the attacked batch."""
         attacked = self.attack(state, state.models["main"], batch)

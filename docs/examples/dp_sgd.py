@@ -78,6 +78,8 @@ class DPSGD(classification.Classification):
             g.shape, tf.random.experimental.stateless_fold_in(seed, i), dtype=g.dtype)
             for i, g in enumerate(gradients)]
 
+    step_settings = ()  # its clipping is per example; none of the default step's
+
     def train_step(self, state, batch, options):
         model, optimizer = state.models["main"], state.optimizers["main"]
         summed, losses = self.clipped_gradient_sum(model, batch)

@@ -71,16 +71,16 @@ class MeanTeacher(classification.Classification):
         for mine, theirs in zip(teacher.weights, student.weights):
             mine.assign(decay * mine + (1.0 - decay) * tf.cast(theirs, mine.dtype))
 
+    step_settings = step.SETTINGS  # the default step's, all of them
+
     def train_step(self, state, batch, options):
+        """The default step (trainer/step.py) on the consistency loss, then the
+        teacher from the updated student."""
         student, teacher = state.models["main"], state.models["teacher"]
-        optimizer = state.optimizers["main"]
         objective = step.Objective(
             lambda b: self.consistency_loss(student, teacher, b),
-            student.trainable_variables, (student,), optimizer, "task mean_teacher's loss")
-        gradients, sums = step.summed_gradients(objective, batch, options)  # THE sum
-        grad_norm = tf.linalg.global_norm(gradients)
-        finite = tf.math.is_finite(grad_norm)
-        step.apply_or_skip(optimizer, gradients, objective.variables, finite)
+            student.trainable_variables, (student,), state.optimizers["main"],
+            "task mean_teacher's loss")
+        metrics = step.train_step(state, self, batch, options, objective)  # THE sum
         self.update_teacher(student, teacher)  # AFTER the update
-        return {**sums, "grad_norm": step.per_step(grad_norm),
-                "skipped": step.per_step(1.0 - tf.cast(finite, tf.float32))}
+        return metrics

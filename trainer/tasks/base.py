@@ -70,6 +70,7 @@ Outside the step (eager numpy, or the SavedModel's graph for `serve`):
   summary.png); `samples` holds the first eval examples ("image" uint8, ...).
 """
 import dataclasses
+import os
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import keras
@@ -78,6 +79,7 @@ import tensorflow as tf
 
 import models
 from data import augment, sources
+from trainer import checkpoints
 from trainer.settings import ConfigError
 from trainer.output import figures
 
@@ -155,6 +157,34 @@ class Task:
         """ConfigError if another dataset's examples do not fit this run (predict
         --index on another dataset)."""
 
+    def finished_classifier(self, directory: str, flag: str, weights_file: str,
+                            tasks: tuple[str, ...] = ("classification",)) -> keras.Model:
+        """The model of a finished run in `directory` (a run of one of `tasks` on
+        this run's dataset and image size), with its `weights_file`: a distillation
+        teacher, the Fréchet distance's classifier. Anything else is one line."""
+        run = checkpoints.read_run_config(directory, flag)
+        path = os.path.join(directory, weights_file)
+        if (run.get("task") or "classification") not in tasks:
+            raise ConfigError(f"{flag}={directory} is a {run['task']} run; give a run of "
+                              f"task {' or '.join(tasks)}")
+        if run.get("dataset") != self.spec.name:
+            raise ConfigError(f"{flag}={directory} was trained on {run.get('dataset')}, "
+                              f"this run on {self.spec.name}; they need the same dataset")
+        if not tf.io.gfile.exists(path):
+            raise ConfigError(f"{flag}={directory}: {path} not found; give a finished "
+                              f"run's directory")
+        size = run.get("image_size") or self.spec.image_shape[0]
+        if (size, size, self.input_shape[2]) != tuple(self.input_shape):
+            raise ConfigError(f"{flag}={directory} sees {size}x{size} images, this run "
+                              f"{self.input_shape[0]}x{self.input_shape[1]}; set "
+                              f"--image_size={size}")
+        try:
+            return models.build(run["model"], self.spec.num_classes, self.input_shape,
+                                tiny=run.get("model_size") == "tiny",
+                                options=run.get("model_options", ""), weights=path)
+        except ValueError as err:
+            raise ConfigError(f"{flag}={directory}: {err}") from err
+
     # --- the state and the step ------------------------------------------------------
 
     def create_state(self, build) -> "TrainState":
@@ -162,6 +192,12 @@ class Task:
         optimizer."""
         model = build.model()
         return build.state({"main": model}, {"main": build.optimizer(model)})
+
+    # A task with a train_step of its own: the step settings (trainer/step.py's
+    # SETTINGS: --clip_grad_norm, --sam_rho, ...) it carries out. A run that sets
+    # any other is refused at build, never silently ignored. (The default step
+    # carries out all of them.)
+    step_settings: tuple[str, ...] = ()
 
     def train_step(self, state: "TrainState", batch: dict, options) -> dict[str, Metric]:
         """One training step on one replica: trainer/step.py's supervised step."""

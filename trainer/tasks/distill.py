@@ -13,11 +13,9 @@ are those of classification: the student alone.
     python -m trainer.main --task=distill --teacher_dir=runs/airbench_cifar10
 """
 import dataclasses
-import os
 import keras
 import tensorflow as tf
 
-import models
 from trainer import checkpoints
 from trainer.settings import ConfigError, check_range, setting
 from trainer.tasks import base, classification
@@ -73,33 +71,9 @@ class Distill(classification.Classification):
         return state
 
     def _load_teacher(self) -> keras.Model:
-        directory = self.settings.teacher_dir
-        config_path = os.path.join(directory, checkpoints.RUN_CONFIG)
-        weights_path = os.path.join(directory, WEIGHTS[self.settings.teacher_weights])
-        for path in (config_path, weights_path):
-            if not tf.io.gfile.exists(path):
-                raise ConfigError(f"--teacher_dir={directory}: {path} not found; give a "
-                                  f"finished run's directory")
-        teacher = checkpoints.read_run_config(directory, "--teacher_dir")
-        if teacher.get("task", "classification") not in ("classification", "distill"):
-            raise ConfigError(f"--teacher_dir={directory} is a {teacher['task']} run; "
-                              f"the teacher must be a classifier")
-        if teacher.get("dataset") != self.spec.name:
-            raise ConfigError(f"--teacher_dir={directory} was trained on "
-                              f"{teacher.get('dataset')}, the student on {self.spec.name}; "
-                              f"teacher and student need the same dataset")
-        size = teacher.get("image_size") or self.spec.image_shape[0]
-        if (size, size, self.input_shape[2]) != tuple(self.input_shape):
-            raise ConfigError(f"--teacher_dir={directory} sees {size}x{size} images, the "
-                              f"student {self.input_shape[0]}x{self.input_shape[1]}; set "
-                              f"--image_size={size}")
-        try:
-            return models.build(teacher["model"], self.num_classes(), self.input_shape,
-                                tiny=teacher.get("model_size") == "tiny",
-                                options=teacher.get("model_options", ""),
-                                weights=weights_path)
-        except ValueError as err:
-            raise ConfigError(f"--teacher_dir={directory}: {err}") from err
+        return self.finished_classifier(
+            self.settings.teacher_dir, "--teacher_dir",
+            WEIGHTS[self.settings.teacher_weights], tasks=("classification", "distill"))
 
     def training_flops(self, state, forward, options) -> float:
         """The student's training step and the teacher's forward pass."""

@@ -27,7 +27,6 @@ predict writes a grid of them; the SavedModel maps latent vectors (or seeds) to
 images.
 """
 import dataclasses
-import os
 
 import keras
 import numpy as np
@@ -39,7 +38,6 @@ from trainer.output import figures
 from trainer.settings import ConfigError, setting
 from trainer.tasks import base
 
-WEIGHTS = {"final": checkpoints.WEIGHTS_FILE, "best": checkpoints.BEST_WEIGHTS_FILE}
 EVAL_LATENTS = "evaluation latents"  # the fixed latent vectors' name (randomness)
 
 
@@ -85,6 +83,7 @@ class Gan(base.Task):
     Settings = Settings
     batch_keys = ("image",)
     model_outputs = (models.GENERATOR,)
+    step_settings = ()  # its two updates carry out none of the default step's settings
     serves_images = False
     tiles_per_sample = 2  # generated images shown per eval sample
     best_metric, higher_is_better, curve_metric = "loss", False, "loss"
@@ -109,9 +108,6 @@ class Gan(base.Task):
         """The generator ("main") and the discriminator, an optimizer each (the
         run's: --optimizer, --learning_rate, the schedule at the run's step), and
         the frozen classifier of the Fréchet distance."""
-        if build.options is not None and build.options.grad_accum_steps > 1:
-            raise ConfigError("--task=gan runs the generator once a step: "
-                              "--grad_accum_steps must be 1")
         generator = build.model()
         state_models = {"main": generator}
         state_optimizers = {"main": build.optimizer(generator)}
@@ -126,30 +122,9 @@ class Gan(base.Task):
 
     def _load_classifier(self) -> keras.Model:
         """The features of a finished classification run on the same data."""
-        directory = self.settings.fid_classifier_dir
-        run = checkpoints.read_run_config(directory, "--fid_classifier_dir")
-        path = os.path.join(directory, WEIGHTS["final"])
-        if run.get("task", "classification") != "classification":
-            raise ConfigError(f"--fid_classifier_dir={directory} is a {run['task']} run; "
-                              f"give a classification run")
-        if run.get("dataset") != self.spec.name:
-            raise ConfigError(f"--fid_classifier_dir={directory} was trained on "
-                              f"{run.get('dataset')}, not {self.spec.name}")
-        if not tf.io.gfile.exists(path):
-            raise ConfigError(f"--fid_classifier_dir={directory}: {path} not found; give "
-                              f"a finished run's directory")
-        size = run.get("image_size") or self.spec.image_shape[0]
-        if size != self.input_shape[0]:
-            raise ConfigError(f"--fid_classifier_dir={directory} sees {size}x{size} "
-                              f"images, this run {self.input_shape[0]}; set --image_size")
-        try:
-            classifier = models.build(run["model"], self.spec.num_classes,
-                                      self.input_shape,
-                                      tiny=run.get("model_size") == "tiny",
-                                      options=run.get("model_options", ""), weights=path)
-            return models.features_of(classifier)
-        except ValueError as err:
-            raise ConfigError(f"--fid_classifier_dir={directory}: {err}") from err
+        return models.features_of(self.finished_classifier(
+            self.settings.fid_classifier_dir, "--fid_classifier_dir",
+            checkpoints.WEIGHTS_FILE))
 
     def to_model_input(self, generated: tf.Tensor) -> tf.Tensor:
         """Generator output (tanh, [-1, 1]) -> the data's normalized input space (in

@@ -62,6 +62,12 @@ def _unit(x: tf.Tensor) -> tf.Tensor:
     return tf.math.l2_normalize(x, axis=-1)
 
 
+def _unit_features(state, batch: dict) -> dict[str, tf.Tensor]:
+    """The main model's features of batch["image"] (evaluation mode), unit length."""
+    features = state.models["main"](batch["image"], training=False)["features"]
+    return {"features": _unit(tf.cast(features, tf.float32))}
+
+
 def nt_xent(z1: tf.Tensor, z2: tf.Tensor, all_z1: tf.Tensor, all_z2: tf.Tensor,
             offset: tf.Tensor, temperature: float) -> tuple[tf.Tensor, tf.Tensor]:
     """Per-example NT-Xent of this replica's b images (projections z1, z2 [b, d],
@@ -111,9 +117,6 @@ class SimCLR(base.Task):
     def create_state(self, build):
         """--model's features (the input of its head) and a projection MLP, one
         model ("main") with {"features", "projection"} outputs, and its optimizer."""
-        if build.options is not None and build.options.grad_accum_steps > 1:
-            raise ConfigError("--task=simclr gathers every replica's projections in "
-                              "the step: --grad_accum_steps must be 1")
         backbone = build.model()
         features = models.features_of(backbone).outputs[0]
         hidden = keras.layers.Dense(self.settings.projection_hidden, activation="relu",
@@ -143,30 +146,24 @@ class SimCLR(base.Task):
         return loss, {"contrastive_accuracy": (tf.reduce_sum(hits),
                                                tf.cast(tf.size(hits), hits.dtype))}
 
+    # Micro-batches would gather each micro-batch's projections alone: not the
+    # global batch's negatives.
+    step_settings = tuple(s for s in step.SETTINGS if s != "grad_accum_steps")
+
     def train_step(self, state, batch: dict, options) -> dict[str, base.Metric]:
-        """The default step's pieces on the contrastive loss: forward both views,
-        THE all-reduce, one update (or none if the gradient is not finite)."""
-        model, optimizer = state.models["main"], state.optimizers["main"]
+        """The default step (trainer/step.py: THE all-reduce, clipping, SAM, the
+        skip of a non-finite update, Lookahead) on the contrastive loss."""
+        model = state.models["main"]
         objective = step.Objective(lambda b: self.contrastive_loss(model, b),
-                                   model.trainable_variables, (model,), optimizer,
-                                   "task simclr's loss")
-        gradients, sums = step.summed_gradients(objective, batch, options)
-        grad_norm = tf.linalg.global_norm(gradients)
-        finite = tf.math.is_finite(grad_norm)
-        if options.clip_grad_norm:
-            gradients, _ = tf.clip_by_global_norm(gradients, options.clip_grad_norm,
-                                                  use_norm=grad_norm)
-        step.apply_or_skip(optimizer, gradients, objective.variables, finite)
-        return {**sums, "grad_norm": step.per_step(grad_norm),
-                "skipped": step.per_step(1.0 - tf.cast(finite, tf.float32))}
+                                   model.trainable_variables, (model,),
+                                   state.optimizers["main"], "task simclr's loss")
+        return step.train_step(state, self, batch, options, objective)
 
     # --- evaluation: kNN on the features -------------------------------------------------
 
     def before_evaluation(self, state, splits) -> None:
         """The training images' unit features and labels, on every replica."""
-        model = state.models["main"]
-        bank = splits.map(lambda s, batch: {"features": _unit(tf.cast(
-            model(batch["image"], training=False)["features"], tf.float32))})
+        bank = splits.map(_unit_features)  # (one function: traced once per run)
         with splits.strategy.scope():  # (a copy on every replica)
             if not hasattr(self, "_bank"):
                 self._bank = tf.Variable(bank["features"], trainable=False,
@@ -181,10 +178,8 @@ class SimCLR(base.Task):
         if not hasattr(self, "_bank"):
             raise ConfigError("task simclr evaluates with a kNN over the training "
                               "features: before_evaluation must run first")
-        model = state.models["main"]
         weights = tf.cast(batch["mask"], tf.float32)
-        features = _unit(tf.cast(model(batch["image"], training=False)["features"],
-                                 tf.float32))
+        features = _unit_features(state, batch)["features"]
         similarity = tf.matmul(features, self._bank, transpose_b=True)  # [b, N]
         k = min(self.settings.knn_k, int(self._bank.shape[0]))
         top, index = tf.math.top_k(similarity, k)
