@@ -218,7 +218,7 @@ def test_a_teacher_of_another_dataset_or_size_is_refused(tiny_config, tmp_path,
     from trainer.config import ConfigError
     config = tiny_config.replace(task="distill", dataset="cifar10").with_settings(
         teacher_dir=teacher_dir)
-    with pytest.raises(ConfigError, match="teacher and student need the same dataset"):
+    with pytest.raises(ConfigError, match="they need the same dataset"):
         build.make_task(config, sources.get_spec("cifar10"))._load_teacher()
     config = tiny_config.replace(task="distill", image_size=16).with_settings(
         teacher_dir=teacher_dir)

@@ -162,17 +162,18 @@ class Task:
         """The model of a finished run in `directory` (a run of one of `tasks` on
         this run's dataset and image size), with its `weights_file`: a distillation
         teacher, the Fréchet distance's classifier. Anything else is one line."""
-        run = checkpoints.read_run_config(directory, flag)
         path = os.path.join(directory, weights_file)
+        for needed in (os.path.join(directory, checkpoints.RUN_CONFIG), path):
+            if not tf.io.gfile.exists(needed):
+                raise ConfigError(f"{flag}={directory}: {needed} not found; give a "
+                                  f"finished run's directory")
+        run = checkpoints.read_run_config(directory, flag)
         if (run.get("task") or "classification") not in tasks:
             raise ConfigError(f"{flag}={directory} is a {run['task']} run; give a run of "
                               f"task {' or '.join(tasks)}")
         if run.get("dataset") != self.spec.name:
             raise ConfigError(f"{flag}={directory} was trained on {run.get('dataset')}, "
                               f"this run on {self.spec.name}; they need the same dataset")
-        if not tf.io.gfile.exists(path):
-            raise ConfigError(f"{flag}={directory}: {path} not found; give a finished "
-                              f"run's directory")
         size = run.get("image_size") or self.spec.image_shape[0]
         if (size, size, self.input_shape[2]) != tuple(self.input_shape):
             raise ConfigError(f"{flag}={directory} sees {size}x{size} images, this run "
