@@ -434,3 +434,31 @@ def test_a_task_metric_named_like_the_steps_own_is_refused():
     with pytest.raises(distributed.StepContractError) as raised:
         _train(_one_device(), task=task)
     assert "'grad_norm', which the step reports itself" in message_of(raised.value)
+
+
+def test_every_replica_holds_the_same_batch_norm_statistics_after_a_step(tiny_config):
+    """Batch-norm moves each replica's copy of its moving statistics by that
+    replica's examples; the wrapper averages them after every step. Without it the
+    checkpoint holds replica 0's, a resume gives them to every replica, and a step
+    that reads them (an attack or a teacher in inference mode) is not bitwise
+    what the uninterrupted run did."""
+    from data import sources
+    from trainer import build
+    spec = sources.get_spec("synthetic")
+    config = tiny_config.replace(cpu_replicas=2)
+    strategy = mirrored()
+    run = build.build_run(config, spec, build.plan(config, spec, 2), strategy)
+    statistics = run.state.replica_statistics()
+    assert statistics and all("moving" in v.path for v in statistics)
+    before = [v.numpy() for v in statistics]
+    images = tf.random.stateless_normal([16, 32, 32, 3], (1, 2))  # two different halves
+    batch = {"image": images, "label": tf.range(16, dtype=tf.int32) % 10,
+             "index": tf.range(16, dtype=tf.int32)}
+    train_loop = distributed.make_train_loop(strategy, run.train_step, state=run.state)
+    dataset = tf.data.Dataset.from_tensors(batch).repeat()
+    train_loop(iter(strategy.experimental_distribute_dataset(dataset)), tf.constant(2),
+               tf.constant(0.0))
+    for variable, old in zip(statistics, before):
+        copies = [c.numpy() for c in strategy.experimental_local_results(variable.value)]
+        assert not np.array_equal(copies[0], old), variable.path  # they moved
+        np.testing.assert_array_equal(copies[0], copies[1], err_msg=variable.path)

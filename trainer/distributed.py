@@ -65,16 +65,29 @@ def summable(metrics, source: str = "the step", reserved: tuple[str, ...] = ()) 
 
 def _bookkept(replica_fn: Callable, state=None) -> Callable:
     """`replica_fn` with its metrics checked and made tensors (`summable`), and,
-    given the run's state, after it in the replica: the step counter advanced and
-    every weight checked finite (reading this replica's copies, on its device; no
+    given the run's state, after it in the replica: batch-norm's statistics averaged
+    over the replicas, the step counter advanced and every weight checked finite (reading this replica's copies, on its device; no
     copy made). Returns (metrics, (step if a weight is non-finite else 0, 1 if so
     else 0))."""
     watched = state.model_variables() if state is not None else []
+    statistics = state.replica_statistics() if state is not None else []
 
     def step_fn(batch):
         metrics = summable(replica_fn(batch), reserved=LOOP_KEYS)
         if state is None:
             return metrics, (tf.constant(0.0, tf.float64), tf.constant(0.0, tf.float64))
+        context = tf.distribute.get_replica_context()
+        if statistics and context.num_replicas_in_sync > 1:
+            # Batch-norm moved each replica's copy of its statistics by that
+            # replica's examples: average them, so that every replica holds the
+            # same state (what the checkpoint saves and a resume restores, what an
+            # inference-mode pass in the step reads). Averaging is exact for the
+            # moving averages (they are linear), and the weights do not read them.
+            with tf.control_dependencies(tf.nest.flatten(metrics)):
+                means = context.all_reduce(tf.distribute.ReduceOp.MEAN,
+                                           [tf.convert_to_tensor(v) for v in statistics])
+            for variable, mean in zip(statistics, means):
+                variable.assign(mean)
         with tf.control_dependencies(tf.nest.flatten(metrics)):
             # THE step counter: one more, whatever the task's step did.
             state.step.assign_add(1)

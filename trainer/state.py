@@ -81,6 +81,14 @@ class TrainState:
         return [v for name, v in self.float_variables()
                 if not name.split("/", 1)[0].endswith("_optimizer")]
 
+    def replica_statistics(self) -> list:
+        """The moving statistics of every model the step may change (not a frozen
+        one): each replica's forward pass updates its own copy from its own
+        examples, so the wrapper averages them over the replicas after every step
+        (trainer/distributed.py)."""
+        return [v for model in self.models.values() if model.trainable
+                for v in moving_statistics(model)]
+
     def nonfinite(self) -> list[str]:
         """The names of the variables holding a NaN or an infinity (eager)."""
         return [name for name, v in self.float_variables()
@@ -97,6 +105,13 @@ class TrainState:
     def optimizer(self) -> keras.optimizers.Optimizer:
         """The main model's optimizer."""
         return self.optimizers[MAIN]
+
+
+def moving_statistics(model: keras.Model) -> list:
+    """The non-trainable float state a forward pass updates (batch-norm's moving
+    mean and variance); not the random generators' state."""
+    return [v for v in model.non_trainable_variables
+            if v.dtype.startswith("float") and "seed_generator" not in v.path]
 
 
 def new_step_counter() -> tf.Variable:

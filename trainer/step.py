@@ -34,7 +34,7 @@ import keras
 import tensorflow as tf
 
 from trainer import averaging, distributed, optimizers
-from trainer.state import MAIN, TrainState
+from trainer.state import MAIN, TrainState, moving_statistics
 from trainer.tasks import Task
 from trainer.tasks.base import Metric  # (total, weight): shown as total / weight
 
@@ -123,13 +123,6 @@ def _forward_backward(objective: Objective, batch: dict, options: StepOptions):
     count = tf.reduce_sum(tf.ones_like(per_example_loss))
     metrics = distributed.summable(metrics, objective.source, STEP_METRICS)
     return gradients, {"loss": (tf.reduce_sum(per_example_loss), count), **metrics}
-
-
-def moving_statistics(model: keras.Model) -> list:
-    """The non-trainable float state a forward pass updates (batch-norm's moving
-    mean and variance); not the random generators' state."""
-    return [v for v in model.non_trainable_variables
-            if v.dtype.startswith("float") and "seed_generator" not in v.path]
 
 
 def replica_gradients(objective: Objective, batch: dict, options: StepOptions):
