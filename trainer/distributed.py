@@ -66,9 +66,9 @@ def summable(metrics, source: str = "the step", reserved: tuple[str, ...] = ()) 
 def _bookkept(replica_fn: Callable, state=None) -> Callable:
     """`replica_fn` with its metrics checked and made tensors (`summable`), and,
     given the run's state, after it in the replica: batch-norm's statistics averaged
-    over the replicas, the step counter advanced and every weight checked finite (reading this replica's copies, on its device; no
-    copy made). Returns (metrics, (step if a weight is non-finite else 0, 1 if so
-    else 0))."""
+    over the replicas, the step counter advanced and every weight checked finite
+    (reading this replica's copies, on its device; no copy made). Returns (metrics,
+    (step if a weight is non-finite else 0, 1 if so else 0))."""
     watched = state.model_variables() if state is not None else []
     statistics = state.replica_statistics() if state is not None else []
 
