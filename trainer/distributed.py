@@ -84,8 +84,10 @@ def _bookkept(replica_fn: Callable, state=None) -> Callable:
             # inference-mode pass in the step reads). Averaging is exact for the
             # moving averages (they are linear), and the weights do not read them.
             with tf.control_dependencies(tf.nest.flatten(metrics)):
+                # (tf.identity: MultiWorkerMirroredStrategy's all-reduce refuses the
+                # bare variable reads: "destinations can not be empty")
                 means = context.all_reduce(tf.distribute.ReduceOp.MEAN,
-                                           [tf.convert_to_tensor(v) for v in statistics])
+                                           [tf.identity(v) for v in statistics])
             for variable, mean in zip(statistics, means):
                 variable.assign(mean)
         with tf.control_dependencies(tf.nest.flatten(metrics)):
