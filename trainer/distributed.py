@@ -77,20 +77,19 @@ def _bookkept(replica_fn: Callable, state=None) -> Callable:
         if state is None:
             return metrics, (tf.constant(0.0, tf.float64), tf.constant(0.0, tf.float64))
         context = tf.distribute.get_replica_context()
-        if statistics and context.num_replicas_in_sync > 1:
-            # Batch-norm moved each replica's copy of its statistics by that
-            # replica's examples: average them, so that every replica holds the
-            # same state (what the checkpoint saves and a resume restores, what an
-            # inference-mode pass in the step reads). Averaging is exact for the
-            # moving averages (they are linear), and the weights do not read them.
-            with tf.control_dependencies(tf.nest.flatten(metrics)):
-                # (tf.identity: MultiWorkerMirroredStrategy's all-reduce refuses the
-                # bare variable reads: "destinations can not be empty")
+        with tf.control_dependencies(tf.nest.flatten(metrics)):  # after the step
+            if statistics and context.num_replicas_in_sync > 1:
+                # Batch-norm moved each replica's copy of its statistics by that
+                # replica's examples: average them, so that every replica holds
+                # the same state (what the checkpoint saves and a resume restores,
+                # what an inference-mode pass in the step reads). Exact for moving
+                # averages (they are linear); the weights do not read them. (Through
+                # tf.identity: MultiWorkerMirroredStrategy's all-reduce refuses the
+                # bare variable reads, "destinations can not be empty".)
                 means = context.all_reduce(tf.distribute.ReduceOp.MEAN,
                                            [tf.identity(v) for v in statistics])
-            for variable, mean in zip(statistics, means):
-                variable.assign(mean)
-        with tf.control_dependencies(tf.nest.flatten(metrics)):
+                for variable, mean in zip(statistics, means):
+                    variable.assign(mean)
             # THE step counter: one more, whatever the task's step did.
             state.step.assign_add(1)
         with tf.control_dependencies(tf.nest.flatten(metrics) + [state.step.read_value()]):
