@@ -36,9 +36,9 @@ def grappler():
 
 
 def pytest_collection_modifyitems(items):
-    """The long tests first, longest first (`@pytest.mark.long(seconds)`): with 2
-    workers taking one test at a time (-n 2 --dist load --maxschedchunk=1) the
-    short ones then fill the gaps, and both workers finish together."""
+    """The long tests first, longest first (`@pytest.mark.long(seconds)`): with
+    the workers taking one test at a time (-n 3 --dist load --maxschedchunk=1) the
+    short ones then fill the gaps, and the workers finish together."""
     def seconds(item) -> float:
         mark = item.get_closest_marker("long")
         return mark.args[0] if mark and mark.args else 0
