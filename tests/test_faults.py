@@ -97,7 +97,8 @@ def test_diverging_run_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path, 
     files = {f: os.path.getmtime(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
              if f.startswith("ckpt-4")}
     status, log = run(*TINY, f"--model_dir={model_dir}", "--train_steps=40",
-                      "--learning_rate=1e12", "--optimizer=sgd", "--momentum=0")
+                      "--learning_rate=1e12", "--optimizer=sgd", "--momentum=0",
+                      "--resume_with_changes")
     assert status == 3, log[-2000:]
     errors = [line for line in log.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: non-finite loss or gradient")
@@ -163,18 +164,21 @@ def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(tmp_path,
 
 
 @pytest.mark.long(30)  # seconds, with -n 2
-def test_sigterm_saves_the_current_step_and_exits_75_then_resumes(tmp_path, run):
+def test_ctrl_c_saves_the_current_step_and_exits_75_then_resumes(tmp_path, run):
+    """SIGINT (Ctrl-C) as SIGTERM and SIGHUP (test_stop_signals_...): no
+    traceback, one line, the current step saved."""
     model_dir = str(tmp_path / "run")
     proc = _start(model_dir, "--train_steps=100000", "--checkpoint_every=100000")
     deadline = time.time() + 240
     while "step 2/" not in (line := proc.stdout.readline()) and time.time() < deadline:
         assert line or proc.poll() is None, "the run ended before training"
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
     started = time.time()
     output = proc.communicate(timeout=60)[0]
-    assert proc.returncode == faults.PREEMPTED_EXIT_CODE, output[-2000:]
+    assert proc.returncode == faults.STOPPED_EXIT_CODE, output[-2000:]
     assert time.time() - started < 10
-    assert "preempted (SIGTERM): saved a checkpoint at step" in output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    assert "stopped: stopped by SIGINT: saved a checkpoint at step" in output
     step = int(tf.train.latest_checkpoint(model_dir).rsplit("-", 1)[1])
     assert step >= 2
     status, log = run(*RESUME, f"--model_dir={model_dir}", f"--train_steps={step + 2}")
@@ -211,3 +215,43 @@ def test_a_skipped_step_leaves_batch_norm_statistics_as_they_were(replicas):
     for a, b in zip(before, [v.numpy() for v in model.non_trainable_variables]):
         np.testing.assert_array_equal(a, b)  # no NaN moved into the moving statistics
     assert np.all(np.isfinite(model.predict(_batch()["image"], verbose=0)))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_stop_signals_stop_start_up_at_once_and_training_at_the_next_save(signum):
+    """Before training: StoppedAtStartUp, which `except Exception` (AutoGraph's
+    fallback, a library's retry) does not swallow. In training: a flag."""
+    with faults.StopSignals() as stop:
+        with pytest.raises(faults.StoppedAtStartUp, match=signal.Signals(signum).name):
+            try:
+                os.kill(os.getpid(), signum)
+                time.sleep(1)  # (the handler runs at the next bytecode)
+            except Exception:  # noqa: BLE001 (what must not catch it)
+                pytest.fail("a stop signal was caught as an Exception")
+        with stop.while_training():
+            os.kill(os.getpid(), signum)
+            time.sleep(0.1)
+            assert stop.requested and stop.signal == signal.Signals(signum).name
+    assert signal.getsignal(signum) is not stop._handle  # the previous one is back
+
+
+@pytest.mark.long(8)  # seconds, with -n 2
+def test_a_stop_during_an_evaluation_ends_it_and_saves_that_step(tiny_config,
+                                                                  monkeypatch):
+    from trainer import evaluation, loop
+    original = evaluation.evaluate
+    calls = []
+
+    def evaluate_and_be_stopped(*args, **kwargs):
+        calls.append(kwargs.get("stop_requested") or args[-1])
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C as the evaluation starts
+        time.sleep(0.1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate", evaluate_and_be_stopped)
+    config = tiny_config.replace(eval_every=2, checkpoint_every=4)
+    with pytest.raises(faults.Preempted, match="stopped by SIGINT: saved a checkpoint "
+                                               "at step 2"):
+        loop.train_and_evaluate(config)
+    assert tf.train.latest_checkpoint(config.model_dir).endswith("ckpt-2")
+    assert len(calls) == 1  # stopped before its first step, not after the test set

@@ -1,8 +1,15 @@
 """Checkpoints in --model_dir: save, resume, and refuse a directory of another run.
 
-A run records its config in `run_config.json` beside the checkpoints. A new run on
-that directory must train the same model on the same data, or it stops before
-touching anything: a user's checkpoint is never overwritten by a different model.
+A run directory is one run. It records its settings in `run_config.json` beside
+the checkpoints, once, and every start in `run_history.json` (what it changed, the
+command, the code and versions, the host and devices). A new start on that
+directory must train what the run trained: the same model on the same data with
+the same settings, but for those that may change on a resume (train longer, log,
+evaluate or save at other steps: config.MAY_CHANGE_ON_RESUME); else it stops with
+one line listing each difference, before touching anything. --resume_with_changes
+continues on purpose (recorded, run_config.json never rewritten). A folder that is
+not a run, or a symbolic link inside one, is refused: nothing outside the run's
+directory is written or deleted.
 
 A bad disk loses at most the checkpoint it broke: an unreadable newest checkpoint
 (truncated by a crash during a copy, a full network disk) is named in a warning and
@@ -10,7 +17,9 @@ the run resumes from the newest readable one; a save that fails (no space, no
 permission) leaves no temporary files and stops the run with one line naming the
 directory and the last good checkpoint (CheckpointSaveError).
 """
+import dataclasses
 import io
+import json
 import os
 
 from absl import logging
@@ -18,7 +27,9 @@ import tensorflow as tf
 
 from data import files
 
-RUN_CONFIG = "run_config.json"
+RUN_CONFIG = "run_config.json"      # the settings, as the run started: never rewritten
+RUN_HISTORY = "run_history.json"    # every start: what it changed, where it ran
+METRICS_FILE = "metrics.json"       # (trainer/output/recorder.py writes it)
 WEIGHTS_FILE = "model.weights.h5"       # the final (evaluated) weights
 BEST_WEIGHTS_FILE = "best.weights.h5"   # the weights of the best evaluation
 # What the checkpoint's variables depend on: another value would restore wrong
@@ -28,6 +39,9 @@ _MUST_MATCH = ("task", "model", "model_size", "dataset", "optimizer", "model_opt
                "optimizer_options")
 # Settings whose on/off (> 0 or not) decides whether their variables exist.
 _MUST_MATCH_ON = ("ema_decay", "lookahead_every")
+# What may be in a directory before its run_config.json: the lock (trainer/locks.py),
+# other workers' checkpoint copies, the schedule plot (trainer.main --plot_schedule).
+_NOT_A_RUNS_OWN = ("writer.lock", ".worker_tmp", "lr_schedule.png")
 
 
 class CheckpointError(RuntimeError):
@@ -45,10 +59,13 @@ UNREADABLE = (IndexError, tf.errors.DataLossError, tf.errors.OutOfRangeError,
                tf.errors.UnknownError)
 
 
-def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True) -> None:
-    """Creates model_dir (if writable), checks any previous run in it matches
-    (`check_previous_run`) and records this run's config. Any TensorFlow filesystem
-    works (a local path, gs://..., ram://...)."""
+def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True,
+                      provenance: dict | None = None) -> None:
+    """Creates model_dir (if writable), checks any previous run in it
+    (`check_previous_run`), and records this start: the settings in run_config.json
+    the first time (never rewritten), and every start, with what it changed and
+    where it ran (`provenance`), in run_history.json. Any TensorFlow filesystem works
+    (a local path, gs://..., ram://...)."""
     try:
         tf.io.gfile.makedirs(model_dir)
     except tf.errors.OpError as err:
@@ -58,7 +75,7 @@ def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True) -
     if "://" not in model_dir and not os.access(model_dir, os.W_OK | os.X_OK):
         raise CheckpointError(f"--model_dir={model_dir} is not writable; choose "
                               f"another directory")
-    check_previous_run(model_dir, run_config)
+    changes = check_previous_run(model_dir, run_config)
     if is_chief:  # atomic: other workers read it
         # What a killed writer left half-written (a ckpt-N_temp, a file's .tmp-...):
         # never a complete file. Safe: this process holds the directory (locks.py).
@@ -66,42 +83,161 @@ def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True) -
         if removed:
             logging.info("removed %d temporary file(s) a killed run left in %s: %s",
                          len(removed), model_dir, ", ".join(sorted(removed)))
-        files.write_json(os.path.join(model_dir, RUN_CONFIG), run_config)
+        if not tf.io.gfile.exists(os.path.join(model_dir, RUN_CONFIG)):
+            files.write_json(os.path.join(model_dir, RUN_CONFIG), run_config)
+        history = _read_history(model_dir)
+        history.append({"start": len(history) + 1, **(provenance or {}),
+                        "changed": {key: [before, now] for key, before, now in changes}})
+        files.write_json(os.path.join(model_dir, RUN_HISTORY), history)
 
 
-def check_previous_run(model_dir: str, run_config: dict) -> None:
-    """CheckpointError unless model_dir is empty of runs or holds a run whose
-    checkpoints this one can continue (same model, task, data, optimizer, ...).
-    Reads only: called before the expensive set-up, and again before writing."""
-    if tf.io.gfile.exists(os.path.join(model_dir, RUN_CONFIG)):
-        previous = read_run_config(model_dir)
-        for key, now, before in [
-                *((k, _value(run_config, k), _value(previous, k)) for k in _MUST_MATCH),
-                *((f"{k} > 0", bool(run_config.get(k)), bool(previous.get(k)))
-                  for k in _MUST_MATCH_ON)]:
-            if now != before:
-                raise CheckpointError(
-                    f"--model_dir={model_dir} holds a run with {key}={before!r}, not "
-                    f"{now!r}; use another --model_dir (the existing checkpoint is left "
-                    f"untouched)")
+def comparable_settings(run_config: dict) -> dict:
+    """Every setting of a run, flat (its task's own too), as JSON holds them: the
+    defaults of those an older run_config.json lacks filled in."""
+    from trainer import config as config_lib
+    try:
+        config = config_lib.from_dict(run_config)
+        values = {**config.as_dict(), **dataclasses.asdict(config.task_options())}
+    except (ValueError, TypeError, RuntimeError):  # (ConfigError: a task unknown here)
+        values = {**run_config, **(run_config.get("task_settings") or {})}
+    values.pop("task_settings", None)
+    return json.loads(json.dumps(values))
+
+
+def differences(recorded: dict, run_config: dict) -> list[tuple[str, object, object]]:
+    """(setting, recorded value, this run's value) for each setting that differs,
+    the task's own settings included."""
+    before, now = comparable_settings(recorded), comparable_settings(run_config)
+    return [(key, before.get(key), now.get(key)) for key in dict.fromkeys([*before, *now])
+            if before.get(key) != now.get(key)]
+
+
+def check_previous_run(model_dir: str, run_config: dict
+                       ) -> list[tuple[str, object, object]]:
+    """CheckpointError (one line) unless model_dir is new or empty, or holds a run
+    this one may continue: the same model, task, data and optimizer (what its
+    checkpoints depend on), and the same value of every setting that changes what
+    is trained (all but config.MAY_CHANGE_ON_RESUME), unless this run says
+    resume_with_changes. A folder of other files (no run_config.json) is refused.
+    Returns the settings this start changes. Reads only: called before the
+    expensive set-up, and again before writing."""
+    from trainer import config as config_lib
+    _refuse_links(model_dir)
+    if not tf.io.gfile.exists(os.path.join(model_dir, RUN_CONFIG)):
+        others = [n.rstrip("/") for n in (tf.io.gfile.listdir(model_dir)
+                                          if tf.io.gfile.isdir(model_dir) else [])
+                  if n.rstrip("/") not in _NOT_A_RUNS_OWN]
+        if others:
+            listed = ", ".join(sorted(others)[:4]) + (", ..." if len(others) > 4 else "")
+            raise CheckpointError(
+                f"--model_dir={model_dir} holds files that are not a run's ({listed}) "
+                f"and no {RUN_CONFIG}; give a new or empty directory (nothing in it "
+                f"was touched)")
+        return []
+    recorded = read_run_config(model_dir)
+    for key, now, before in [
+            *((k, _value(run_config, k), _value(recorded, k)) for k in _MUST_MATCH),
+            *((f"{k} > 0", bool(run_config.get(k)), bool(recorded.get(k)))
+              for k in _MUST_MATCH_ON)]:
+        if now != before:
+            raise CheckpointError(
+                f"--model_dir={model_dir} holds a run with {key}={before!r}, not "
+                f"{now!r}; use another --model_dir (the existing checkpoint is left "
+                f"untouched)")
+    changes = differences(recorded, run_config)
+    trained = [c for c in changes if c[0] not in config_lib.MAY_CHANGE_ON_RESUME]
+    if trained and not run_config.get("resume_with_changes"):
+        listed = ", ".join(f"--{key}: {_shown(before)} -> {_shown(now)}"
+                           for key, before, now in trained)
+        raise CheckpointError(
+            f"--model_dir={model_dir} holds a run trained with other settings ({listed});"
+            f" use another --model_dir (without --model_dir each setting gets its own), "
+            f"or add --resume_with_changes to continue this run with them (recorded in "
+            f"{RUN_HISTORY}; nothing was touched)")
+    return changes
+
+
+def _shown(value) -> str:
+    return "(unset)" if value is None else str(value)
+
+
+def _refuse_links(model_dir: str) -> None:
+    """A run writes and deletes only inside its directory: a symbolic link in it
+    (to a folder a temporary's name would have deleted, or that TensorBoard's
+    events would land in) is one CheckpointError, before anything is done."""
+    if "://" in model_dir or not os.path.isdir(model_dir):
+        return
+    links = sorted(name for name in os.listdir(model_dir)
+                   if os.path.islink(os.path.join(model_dir, name)))
+    worker_tmp = os.path.join(model_dir, ".worker_tmp")
+    if os.path.isdir(worker_tmp) and not os.path.islink(worker_tmp):
+        links += sorted(os.path.join(".worker_tmp", name, inner)
+                        for name in os.listdir(worker_tmp)
+                        for inner in (os.listdir(os.path.join(worker_tmp, name))
+                                      if os.path.isdir(os.path.join(worker_tmp, name))
+                                      else [])
+                        if os.path.islink(os.path.join(worker_tmp, name, inner)))
+    if links:
+        raise CheckpointError(
+            f"--model_dir={model_dir} holds symbolic link(s) ({', '.join(links[:4])}); "
+            f"a run writes and deletes only inside its own directory: remove the "
+            f"link(s) or use another --model_dir (nothing was touched)")
+
+
+def _read_history(model_dir: str) -> list:
+    path = os.path.join(model_dir, RUN_HISTORY)
+    if not tf.io.gfile.exists(path):
+        return []
+    try:
+        return files.read_json(path, list)
+    except files.BadFileError as err:
+        raise CheckpointError(f"{err}; restore it from a backup, or use another "
+                              f"--model_dir") from err
 
 
 def read_run_config(model_dir: str, flag: str = "--model_dir") -> dict:
-    """The run_config.json of a run directory. CheckpointError (one line) if it is
-    missing, half written or not a run's config (no model, dataset)."""
+    """The settings of a run directory: run_config.json (as the run started) with
+    the changes later starts made (--resume_with_changes, longer training; in
+    run_history.json). CheckpointError (one line) if it is missing, half written or
+    not a run's config (no model, dataset)."""
     path = os.path.join(model_dir, RUN_CONFIG)
     try:
-        return files.read_json(path, dict, keys=("model", "dataset"))
+        settings = files.read_json(path, dict, keys=("model", "dataset"))
     except files.BadFileError as err:
         advice = (f"{flag} must be a training run's directory" if "not found" in str(err)
                   else f"restore it from a backup, or use another {flag}")
         raise CheckpointError(f"{err}; {advice}") from err
+    from trainer import config as config_lib
+    for start in _read_history(model_dir):
+        for key, (_, now) in (start.get("changed") or {}).items():
+            if key in config_lib.FLAG_FIELDS:
+                settings[key] = now
+            else:  # one of the task's own
+                settings["task_settings"] = {**(settings.get("task_settings") or {}),
+                                             key: now}
+    return settings
+
+
+def finished_run(model_dir: str, total_steps: int) -> dict | None:
+    """The final metrics of a run in model_dir that has trained `total_steps` steps
+    or more and written its final outputs; None if there is none (or it is not
+    finished): a rerun of a finished run changes nothing."""
+    path = os.path.join(model_dir, METRICS_FILE)
+    if not (tf.io.gfile.exists(path)
+            and tf.io.gfile.exists(os.path.join(model_dir, WEIGHTS_FILE))):
+        return None
+    try:
+        metrics = files.read_json(path, dict)
+    except files.BadFileError:
+        return None
+    done = metrics.get("status") == "done" and int(metrics.get("steps", -1)) >= total_steps
+    return metrics if done else None
 
 
 def _value(run_config: dict, key: str):
-    """A run_config.json value; unset and empty are the same (runs from before a
-    setting existed saved none: their task was classification)."""
-    value = run_config.get(key) or None
+    """A run_config.json value as JSON holds it; unset and empty are the same (runs
+    from before a setting existed saved none: their task was classification)."""
+    value = json.loads(json.dumps(run_config.get(key))) or None
     return value or ("classification" if key == "task" else None)
 
 

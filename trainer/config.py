@@ -164,6 +164,11 @@ class Config:
                     "updates the weights; then stop (an error naming the steps; "
                     "checkpoints kept) or skip_step (count it and go on).")
     seed: int = _(0, "Seed for weights, shuffling and augmentation.")
+    resume_with_changes: bool = _(False, "Continue the run in --model_dir although "
+                                  "settings that change what is trained differ from "
+                                  "its own (each change is recorded in its "
+                                  "run_history.json; without this, one error line "
+                                  "lists them).")
     # --- measuring ---
     measure_peak: bool = _(False, "Measure this device's matmul FLOP/s at start-up (a "
                            "few seconds) and show the step's FLOP/s as a fraction of it.")
@@ -190,6 +195,15 @@ class Config:
         return tasks.make_settings(self.task, self.task_settings)
 
 
+# What a start may change in a run directory (trainer/checkpoints.py): how long it
+# trains, how often it logs, evaluates and saves, where its files are and on which
+# devices it runs (the replicas change the rounding, not the arithmetic: check_step).
+MAY_CHANGE_ON_RESUME = (
+    "model_dir", "data_dir", "download_data", "epochs", "train_steps", "log_every",
+    "eval_every", "checkpoint_every", "keep_checkpoints", "steps_per_loop",
+    "eval_batch_size", "cache", "tpu", "require_tpu", "strategy", "cpu_replicas",
+    "jit_compile", "measure_peak", "profile_steps", "resume_with_changes")
+
 FLAG_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.name != "task_settings")
 
 
@@ -205,15 +219,26 @@ def from_dict(values: dict) -> Config:
                   task_settings=task_settings)
 
 
-def default_model_dir(model: str, dataset: str, task: str = "classification") -> str:
-    """runs/<model>_<dataset>[_<task>] (no suffix for classification); for
-    TFRecords, the data folder's name (not its path)."""
+def default_model_dir(model: str, dataset: str, task: str = "classification",
+                      settings: dict[str, Any] | None = None) -> str:
+    """runs/<model>_<dataset>[_<task>][_<name>=<value>...]: no suffix for
+    classification; for TFRecords, the data folder's name (not its path); then each
+    of `settings` (those given on the command line that change what is trained), so
+    that the points of a sweep land in runs of their own and the same command
+    resumes its run. A name over 120 characters ends in a hash of the settings."""
     if dataset.startswith("tfrecord:"):
         pattern = dataset[len("tfrecord:"):].split(";")[0].rstrip("/")
         folder = pattern.rsplit("/", 2)[-2] if pattern.count("/") else "data"
         dataset = "tfrecord_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", folder)
-    suffix = "" if task == "classification" else f"_{task}"
-    return os.path.join("runs", f"{model}_{dataset}{suffix}")
+    name = f"{model}_{dataset}" + ("" if task == "classification" else f"_{task}")
+    given = "_".join(f"{key}={value}" for key, value in sorted((settings or {}).items()))
+    if given:
+        given = re.sub(r"[^A-Za-z0-9_.=+-]+", "_", given)
+        if len(name) + len(given) > 119:
+            import hashlib
+            given = "settings_" + hashlib.sha256(given.encode()).hexdigest()[:12]
+        name += "_" + given
+    return os.path.join("runs", name)
 
 
 def resolve(values: dict[str, Any], explicit: set[str]
@@ -223,18 +248,39 @@ def resolve(values: dict[str, Any], explicit: set[str]
     (`explicit`). Returns (config, origin of each recipe value), unvalidated but
     for the task's settings (a ConfigError if another task's is given)."""
     tasks.get(values["task"])  # a ConfigError listing the tasks if unknown
+    given = dict(values)
     values, origin = recipes.resolve(values, explicit, tasks.get(values["task"]).recipe)
     mine = tasks.setting_fields(values["task"])
     for name in tasks.all_setting_fields():
         if name in explicit and name not in mine:
             tasks.make_settings(values["task"], {name: values[name]})  # raises
     task_settings = {name: values[name] for name in mine if name in values}
-    values["model_dir"] = values["model_dir"] or default_model_dir(
-        values["model"], values["dataset"], values["task"])
+    if not values["model_dir"]:
+        values["model_dir"] = default_model_dir(
+            values["model"], values["dataset"], values["task"],
+            _changed_settings(given, values, explicit, tasks.get(values["task"]).recipe))
     config = Config(**{name: values[name] for name in FLAG_FIELDS},
                     task_settings=task_settings)
     config.task_options()  # the task's own checks
     return config, origin
+
+
+def _changed_settings(given: dict, values: dict, explicit: set[str], recipe
+                      ) -> dict[str, Any]:
+    """The settings given on the command line that change what is trained: those
+    whose value differs from what the same model, dataset and task would train
+    with without them (their recipe, else the defaults)."""
+    identity = ("model", "dataset", "task")
+    defaults = {**{f.name: f.default for f in dataclasses.fields(Config)
+                   if f.name in FLAG_FIELDS},
+                **{name: f.default for name, f in tasks.all_setting_fields().items()}}
+    without, _ = recipes.resolve(
+        {**given, **{name: defaults[name] for name in explicit
+                     if name in defaults and name not in identity}},
+        explicit & set(identity), recipe)
+    return {name: values[name] for name in sorted(explicit)
+            if name in values and name not in (*identity, *MAY_CHANGE_ON_RESUME)
+            and values[name] != without.get(name)}
 
 
 def profile_range(text: str) -> tuple[int, int]:

@@ -79,9 +79,14 @@ class SplitMapper:
         return {name: value[keep] for name, value in values.items()}
 
 
+class Stopped(Exception):
+    """A stop signal arrived during an evaluation; it ended between two steps."""
+
+
 def evaluate(eval_loop, eval_dataset, plan, spec: sources.DatasetSpec, task, model=None,
              samples: dict | None = None, state=None,
-             splits: SplitMapper | None = None) -> dict:
+             splits: SplitMapper | None = None,
+             stop_requested: Callable[[], bool] = lambda: False) -> dict:
     """`test_<name>` for every scalar metric of the task's eval step,
     `test_examples` (the weight of its loss), every non-scalar metric under its
     name (e.g. `confusion_matrix`: counts stay integers), and `samples` with the
@@ -91,8 +96,15 @@ def evaluate(eval_loop, eval_dataset, plan, spec: sources.DatasetSpec, task, mod
     `spec`'s data promises, checked against those evaluated)."""
     if state is not None:
         task.before_evaluation(state, splits)
-    sums = tf.nest.map_structure(lambda t: t.numpy(), eval_loop(
-        iter(eval_dataset), tf.constant(plan.eval_steps)))
+    # One step per call, summed here: a stop signal ends it within a step, not
+    # after the whole test set.
+    iterator, sums = iter(eval_dataset), None
+    for _ in range(plan.eval_steps):
+        if stop_requested():
+            raise Stopped()
+        part = tf.nest.map_structure(lambda t: t.numpy(),
+                                     eval_loop(iterator, tf.constant(1)))
+        sums = part if sums is None else tf.nest.map_structure(np.add, sums, part)
     if "loss" not in sums:
         raise distributed.StepContractError(
             f"task {task.name}'s eval_metrics returned {sorted(sums)}, without 'loss' "

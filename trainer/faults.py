@@ -1,25 +1,32 @@
-"""Faults a run survives: preemption (SIGTERM) and a non-finite loss.
+"""Faults a run survives: a stop signal (preemption, Ctrl-C, a closed terminal) and
+a non-finite loss.
 
-Preemption: a command installs the SIGTERM watcher right after its flags are
-parsed. Before training starts a SIGTERM stops the process at once
-(StoppedAtStartUp; every file a run writes is whole or absent, so nothing is
-half-written) with PREEMPTED_EXIT_CODE. Once training has started it only sets a
-flag: the loop notices it after the current in-graph loop returns, saves a
-checkpoint of that step and exits with PREEMPTED_EXIT_CODE; the same command
-resumes from there. With several workers the
-flag is summed across workers inside the train loop, so every worker stops and
-saves at the same step (a worker stopping alone would leave the others waiting in
-a collective).
+A stop signal (SIGTERM, SIGINT, SIGHUP): a command installs the watcher right after
+its flags are parsed. Before training starts the signal stops the process at once
+(StoppedAtStartUp, a BaseException like KeyboardInterrupt, so that no library's
+`except Exception` swallows it; every file a run writes is whole or absent, so
+nothing is half-written) with STOPPED_EXIT_CODE. Once training has started it only
+sets a flag: the loop notices it after the current in-graph loop (or evaluation
+chunk) returns, saves a checkpoint of that step and exits with STOPPED_EXIT_CODE;
+the same command resumes from there. A second signal stops at once (the last
+checkpoint is kept). With several workers the flag is summed across workers inside
+the train loop, so every worker stops and saves at the same step (a worker stopping
+alone would leave the others waiting in a collective).
 """
 import contextlib
+import os
 import signal
+import sys
 import threading
 from typing import Iterator
 
 from absl import logging
 import tensorflow as tf
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again", the run resumes where it stopped
+# EX_TEMPFAIL: "try again", the run resumes where it stopped (after SIGTERM, SIGINT
+# and SIGHUP alike: a checkpoint of the current step was saved).
+STOPPED_EXIT_CODE = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 # What a surviving worker sees when a peer dies mid-collective.
@@ -33,57 +40,69 @@ class TrainingDivergedError(RuntimeError):
 
 
 class Preempted(RuntimeError):
-    """SIGTERM arrived; a checkpoint of the current step was saved."""
+    """A stop signal arrived; a checkpoint of the current step was saved."""
 
 
-class StoppedAtStartUp(Exception):
-    """SIGTERM before training started: the command stopped at once."""
+class StoppedAtStartUp(BaseException):
+    """A stop signal before training started: the command stopped at once. A
+    BaseException, as KeyboardInterrupt: code that catches Exception (AutoGraph's
+    conversion fallback, a library's retry) must not swallow it."""
 
 
-class SigtermWatcher:
-    """`with SigtermWatcher() as watcher:` right after a command's flags are parsed.
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
 
-    Until `while_training()` a SIGTERM raises StoppedAtStartUp where the program
-    is; from then on it only turns `watcher.requested` True. Installs the handler
-    only in the main thread (signals cannot be caught elsewhere) and restores the
-    previous handler on exit.
+
+class StopSignals:
+    """`with StopSignals() as stop:` right after a command's flags are parsed.
+
+    Until `while_training()` a stop signal raises StoppedAtStartUp where the
+    program is; from then on it only turns `stop.requested` True (and
+    `stop.signal` names it); a second one exits at once (128 + its number).
+    Installs the handlers only in the main thread (signals cannot be caught
+    elsewhere) and restores the previous ones on exit.
     """
 
     def __init__(self):
         self.requested = False
+        self.signal = ""
         self.training = False
-        self._previous = None
-        self._installed = False
+        self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:
         del frame
+        name = signal_name(signum)
         if not self.training:
-            raise StoppedAtStartUp(f"signal {signum} during start-up, before any "
-                                   f"training step; nothing was left half-written: "
-                                   f"run the same command to start")
-        if not self.requested:
-            logging.warning("Signal %d: saving a checkpoint at the end of the current "
-                            "loop, then exiting with status %d", signum,
-                            PREEMPTED_EXIT_CODE)
-        self.requested = True
+            raise StoppedAtStartUp(f"{name} during start-up, before any training step; "
+                                   f"nothing was left half-written: run the same "
+                                   f"command to start")
+        if self.requested:  # the second: now, without waiting for the save
+            print(f"stopped: a second {name}: stopped at once; the last checkpoint in "
+                  f"the run directory is kept (rerun the same command to resume)",
+                  file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        logging.warning("%s: saving a checkpoint at the end of the current loop, then "
+                        "exiting with status %d (again to stop at once)", name,
+                        STOPPED_EXIT_CODE)
+        self.requested, self.signal = True, name
 
-    def __enter__(self) -> "SigtermWatcher":
+    def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-            self._installed = True
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._installed:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._installed = False
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
     @contextlib.contextmanager
-    def while_training(self) -> Iterator["SigtermWatcher"]:
-        """From here a SIGTERM only sets `requested` (also after the block: the
+    def while_training(self) -> Iterator["StopSignals"]:
+        """From here a stop signal only sets `requested` (also after the block: the
         final outputs are written whole, then the command exits 75). Installs the
-        handler for the block if no command did (the loop called directly)."""
-        installed_here = not self._installed
+        handlers for the block if no command did (the loop called directly)."""
+        installed_here = not self._previous
         if installed_here:
             self.__enter__()
         self.training = True

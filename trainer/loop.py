@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from data import files
 from trainer import averaging, build, checkpoints, distributed, evaluation, faults
-from trainer import flops, inputs, randomness, schedules
+from trainer import flops, inputs, provenance, randomness, schedules
 from trainer import strategy as strategy_lib
 from trainer import config as config_lib
 from trainer.config import Config, ConfigError
@@ -75,14 +75,14 @@ def _warn_of_stateful_random_ops(train_loop, iterator) -> None:
 
 
 def train_and_evaluate(config: Config, display: IO | None = None,
-                       sigterm: faults.SigtermWatcher | None = None) -> dict:
+                       stop_signals: faults.StopSignals | None = None) -> dict:
     """Trains `config` in config.model_dir (resuming if a checkpoint is there),
     evaluates, saves `model.weights.h5`, `metrics.json`, `summary.png` and
     TensorBoard summaries; returns the final metrics. display: where the live
     progress bar goes if it is a terminal (default stderr; else plain log lines).
-    sigterm: the command's watcher (installed before this is called), else one
-    installed for the training steps."""
-    sigterm = sigterm or faults.SigtermWatcher()
+    stop_signals: the command's stop-signal watcher (installed before this is called),
+    else one installed for the training steps."""
+    stop_signals = stop_signals or faults.StopSignals()
     since_start = progress_lib.Stopwatch()  # for the time to the first step
     # --- Devices, precision, seeds --------------------------------------------------
     runtime = strategy_lib.create(config.strategy, config.tpu, config.require_tpu,
@@ -108,12 +108,21 @@ def train_and_evaluate(config: Config, display: IO | None = None,
         raise ConfigError(f"--profile_steps={config.profile_steps}: the run has "
                           f"{plan.total_steps} steps; profile steps within it")
 
+    finished = checkpoints.finished_run(config.model_dir, plan.total_steps)
+    if finished is not None:  # a rerun of a finished run changes nothing
+        logging.info("The run in %s is finished (%d steps; its metrics.json and weights "
+                     "are kept as they are); nothing to do. A larger --train_steps or "
+                     "--epochs trains it further", config.model_dir, finished["steps"])
+        return finished
+
     # --- Task, state and checkpoint, built under the strategy -------------------------
     # (trainer/build.py, as every command builds them; a task that does not fit the
     # model or the data stops here, before anything is written to model_dir)
     run = build.build_run(config, spec, plan, strategy, precision)
     task, state, schedule = run.task, run.state, run.schedule
-    checkpoints.prepare_model_dir(config.model_dir, config.as_dict(), is_chief)
+    where = provenance.collect(f"{runtime.name}: {runtime.num_replicas} x "
+                               f"{runtime.device_kind}")
+    checkpoints.prepare_model_dir(config.model_dir, config.as_dict(), is_chief, where)
     if is_chief:  # so that predict and export work without the data files
         inference.keep_dataset_description(config.dataset, config.model_dir)
     with strategy.scope():  # everything the state holds, all of it restored
@@ -163,12 +172,18 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     splits = evaluation.SplitMapper(strategy, config, spec, state,
                                     cache=mode == inputs.MEMORY_MODE)
 
+    multi_worker = strategy_lib.is_multi_worker(strategy)
+    # A stop signal ends an evaluation between its steps (one worker of several
+    # cannot stop alone: the others would wait in a collective).
+    stop_requested = (lambda: False) if multi_worker else (lambda: stop_signals.requested)
+
     def evaluate() -> dict:
         """The evaluated weights' metrics (the average with --ema_decay, and then
         the raw weights' metrics too)."""
         return averaging.evaluate_raw_and_averaged(
             lambda: evaluation.evaluate(eval_loop, eval_dataset, plan, spec, task,
-                                        run.output_model, samples, state, splits),
+                                        run.output_model, samples, state, splits,
+                                        stop_requested),
             state)
 
     # --- What people see --------------------------------------------------------------
@@ -181,10 +196,21 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     recorder = recorder_lib.Recorder(config.model_dir, is_chief, start_step, task,
                                      f"{config.model} on {config.dataset}")
     wall = progress_lib.Stopwatch()
-    multi_worker = strategy_lib.is_multi_worker(strategy)
+
+    def stop_here(at_step: int) -> None:
+        """A stop signal (SIGTERM, SIGINT, SIGHUP): this step saved, then the
+        command exits 75 and the same command resumes."""
+        checkpoints.save(manager, at_step, state)
+        recorder.save()
+        raise faults.Preempted(f"stopped by {stop_signals.signal}: saved a checkpoint at step "
+                               f"{at_step} in {config.model_dir}; run the same command "
+                               f"to resume")
 
     def record_evaluation(at_step: int) -> None:
-        result = evaluate()
+        try:
+            result = evaluate()
+        except evaluation.Stopped:
+            stop_here(at_step)
         logging.info("eval at step %d (epoch %.2f): %s  (%d examples)", at_step,
                      at_step / plan.steps_per_epoch,
                      progress_lib.format_test_metrics(result), result["test_examples"])
@@ -203,7 +229,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     current, evaluated = start_step, False
     profile = profile if is_chief else ()  # one trace, the chief's
     profiling = False
-    with inputs.data_errors_explained(spec), sigterm.while_training(), (
+    with inputs.data_errors_explained(spec), stop_signals.while_training(), (
             bars.above_the_bar() if bars else contextlib.nullcontext()), (
             _profiler_stopped_at_exit() if profile else contextlib.nullcontext()):
         train_iterator = iter(train_dataset)
@@ -215,9 +241,9 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                 tf.profiler.experimental.start(os.path.join(config.model_dir, "train"))
                 profiling = True
             with progress_lib.Stopwatch() as watch:
-                sums, stop_requested = train_loop(train_iterator,
+                sums, stopping = train_loop(train_iterator,
                                                   tf.constant(stop - current),
-                                                  tf.constant(float(sigterm.requested)))
+                                                  tf.constant(float(stop_signals.requested)))
                 sums = tf.nest.map_structure(lambda t: t.numpy(), sums)  # waits
             nonfinite_at = int(sums.pop(distributed.NONFINITE_AT)[0])
             if profiling and stop >= profile[1]:
@@ -253,12 +279,9 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             learning_rate = float(schedule(current))  # that of the next step
             progress.show(current, learning_rate)
             # One worker alone cannot stop: in multi-worker runs, wait for the sum.
-            if float(stop_requested) > 0 or (sigterm.requested and not multi_worker):
-                checkpoints.save(manager, current, state)
-                recorder.save()
-                raise faults.Preempted(f"preempted (SIGTERM): saved a checkpoint at step "
-                                       f"{current} in {config.model_dir}; run the same "
-                                       f"command to resume")
+            if float(stopping) > 0 or stop_requested():
+                stop_signals.signal = stop_signals.signal or "another worker's signal"
+                stop_here(current)
             due = lambda name: (current % every[name] == 0  # noqa: E731
                                 or current == plan.total_steps)
             if due("log"):
@@ -292,6 +315,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             "device": runtime.device_kind, "precision": precision, "jit_compile": jit,
             "global_batch_size": config.batch_size,
             "per_replica_batch_size": plan.per_replica_batch,
+            "settings": config.as_dict(), "provenance": where,
         }
         if is_chief:
             checkpoints.save_weights(run.output_model, os.path.join(

@@ -7,9 +7,10 @@ error on stderr, before training); 3 the loss diverged or a weight became
 non-finite (nothing saved after it; the last good checkpoint kept);
 4 a multi-worker run lost a worker (restart all to resume); 5 a checkpoint or a
 final output could not be written (disk full, no permission; the file is named, the
-last good checkpoint and the previous complete file are kept); 75
-preempted by SIGTERM
-(a checkpoint of the current step was saved: run the same command to resume).
+last good checkpoint and the previous complete file are kept); 75 stopped by
+SIGTERM, SIGINT (Ctrl-C) or SIGHUP (a checkpoint of the current step was saved, also
+during an evaluation: run the same command to resume; a second signal stops at once
+with 128 + its number, the last checkpoint kept).
 """
 import logging as std_logging
 import os
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> None:
     # them; cli.parse_absl_flags clears it too, but main may be called in-process).
     std_logging.getLogger("tensorflow").handlers.clear()
     try:
-        with faults.SigtermWatcher() as sigterm:  # from here SIGTERM is one line, 75
+        with faults.StopSignals() as stop:  # from here a stop signal: one line, 75
             config = run_flags.config_from_flags(FLAGS)
             # One trainer per run directory (the chief holds it for a multi-worker
             # job), from before anything is written to it until any exit.
@@ -71,10 +72,11 @@ def main(argv: list[str]) -> None:
                 if FLAGS.plot_schedule:
                     print(f"wrote {loop.plot_schedule(config)}")
                     return
-                loop.train_and_evaluate(config, sigterm=sigterm)
-            if sigterm.requested:
-                raise faults.Preempted(f"SIGTERM while the final outputs were written "
-                                       f"(they are complete) in {config.model_dir}")
+                loop.train_and_evaluate(config, stop_signals=stop)
+            if stop.requested:
+                raise faults.Preempted(f"{stop.signal} while the final outputs were "
+                                       f"written (they are complete) in "
+                                       f"{config.model_dir}")
             if not strategy_lib.is_chief_process(config.strategy):
                 _leave_without_tensorflow_shutdown()
     except USER_ERRORS as err:
@@ -82,7 +84,7 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     except (faults.Preempted, faults.StoppedAtStartUp) as err:
         print(f"stopped: {err}", file=sys.stderr)
-        sys.exit(faults.PREEMPTED_EXIT_CODE)
+        sys.exit(faults.STOPPED_EXIT_CODE)
     except (faults.TrainingDivergedError, checkpoints.NonFiniteError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(3)
