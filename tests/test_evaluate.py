@@ -91,3 +91,26 @@ def test_watch_follows_a_running_training_to_its_end(tmp_path, command):
     assert records["evaluations"][-1]["test_accuracy"] == pytest.approx(
         final["test_accuracy"], abs=1e-6)
     assert not (model_dir / "evaluator").exists()  # it wrote only to its --output_dir
+
+
+@pytest.mark.long(10)  # seconds, with -n 2
+@pytest.mark.parametrize("how", ["deleted while listed", "rotated away unseen"])
+def test_watch_skips_a_checkpoint_deleted_under_it_and_says_which_it_missed(
+        tiny_config, finished_tiny, tmp_path, how):
+    """A trainer's --keep_checkpoints deletes checkpoints the evaluator has not
+    reached: one line each, in evaluations.json too, and the watcher goes on."""
+    import tensorflow as tf
+    model_dir = tiny_config.model_dir  # checkpoints at steps 2 and 4, done
+    for name in tf.io.gfile.glob(os.path.join(model_dir, "ckpt-2.*")):
+        tf.io.gfile.remove(name)
+    if how == "rotated away unseen":  # the index no longer lists it either
+        with open(os.path.join(model_dir, "checkpoint"), "w") as f:
+            f.write('model_checkpoint_path: "ckpt-4"\n'
+                    'all_model_checkpoint_paths: "ckpt-4"\n')
+    records = evaluate.evaluate_checkpoints(model_dir, str(tmp_path / "w"), watch=True,
+                                            timeout=30)
+    assert [r["checkpoint"] for r in records] == ["ckpt-4"]
+    written = json.loads((tmp_path / "w" / evaluate.EVALUATIONS_FILE).read_text())
+    assert [m["checkpoint"] for m in written["missed"]] == ["ckpt-2"]
+    assert ("deleted before it could be read" if how == "deleted while listed" else
+            "before the evaluator saw it") in written["missed"][0]["why"]

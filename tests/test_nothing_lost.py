@@ -212,7 +212,7 @@ def test_two_trainers_on_one_directory_one_trains_and_a_kill_9_needs_no_cleanup(
     finally:
         first.kill()  # kill -9: it leaves its lock
         first.wait()
-    assert status == 2, log[-1500:]
+    assert status == locks.IN_USE_EXIT_CODE, log[-1500:]  # 75: a scheduler retries
     line = log.strip().splitlines()[-1]
     assert line.startswith(f"error: {model_dir} is in use by trainer.main (host "), line
     assert f"pid {first.pid}" in line and "Traceback" not in log
@@ -236,7 +236,7 @@ def test_an_evaluator_cannot_write_into_a_directory_a_trainer_holds(tmp_path, ca
                 evaluate.main(["trainer.evaluate"])
     finally:
         lock.release()
-    assert exit_.value.code == 2
+    assert exit_.value.code == locks.IN_USE_EXIT_CODE
     assert "is in use by trainer.main" in capsys.readouterr().err
 
 
@@ -354,7 +354,7 @@ def test_sigterm_during_start_up_exits_75_with_one_line(tmp_path, run, monkeypat
     monkeypatch.setattr(inputs, "train_input_fn", signalled)
     status, err = run(*TINY, f"--model_dir={tmp_path}/run")
     assert status == 75
-    assert err.strip().splitlines()[-1].startswith("stopped: signal 15 during start-up")
+    assert err.strip().splitlines()[-1].startswith("stopped: SIGTERM during start-up")
     assert not _leftovers(tmp_path) and not list((tmp_path / "run").glob("ckpt-*"))
 
 
@@ -372,3 +372,49 @@ def test_the_launcher_stops_all_when_any_worker_dies_and_exits_4(capsys, dies):
     assert status == 4 and time.time() - start < 30
     err = capsys.readouterr().err
     assert f"error: worker {dies} died (killed by signal 9); stopped the others" in err
+
+
+def test_a_live_holder_here_is_never_taken_over_and_a_reused_pid_is_stale(tmp_path):
+    """A holder frozen past its lease (kill -STOP: its lease not renewed) is alive:
+    the directory stays in use. A pid that now belongs to another process, or to
+    the rerun itself, is stale at once."""
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        record = {"token": "frozen", "host": socket.gethostname(), "pid": holder.pid,
+                  "started": locks.process_start(holder.pid), "command": "trainer.main",
+                  "since": time.time() - 3600, "renewed": time.time() - 3600}
+        (tmp_path / locks.LOCK_FILE).write_text(json.dumps(record))
+        with pytest.raises(locks.DirectoryInUse, match=f"pid {holder.pid}"):
+            locks.acquire(str(tmp_path), "trainer.main")
+        record["started"] = "another boot:123"  # the pid reused by another process
+        (tmp_path / locks.LOCK_FILE).write_text(json.dumps(record))
+        locks.acquire(str(tmp_path), "trainer.main").release()
+    finally:
+        holder.kill()
+        holder.wait()
+    record.update(pid=os.getpid(), started=None, renewed=time.time())  # our own pid
+    (tmp_path / locks.LOCK_FILE).write_text(json.dumps(record))
+    locks.acquire(str(tmp_path), "trainer.main").release()
+
+
+def test_a_holder_whose_lock_was_taken_over_stops_before_its_next_write(tiny_config,
+                                                                        monkeypatch):
+    """The first trainer, thawed after another took its directory over, must not
+    write again: exit 6 before its next checkpoint, no final outputs."""
+    from trainer import loop
+    from trainer.output import progress
+    original_show = progress.Progress.show
+
+    def taken_over_at_step_2(self, step, learning_rate):
+        if step == 2:  # another process's lock, as a takeover leaves it
+            lock = os.path.join(tiny_config.model_dir, locks.LOCK_FILE)
+            record = {**json.loads(open(lock).read()), "token": "theirs", "pid": 1}
+            open(lock, "w").write(json.dumps(record))
+        original_show(self, step, learning_rate)
+
+    monkeypatch.setattr(progress.Progress, "show", taken_over_at_step_2)
+    with locks.held(tiny_config.model_dir, "trainer.main"):
+        with pytest.raises(locks.LockLost, match="was taken over by trainer.main"):
+            loop.train_and_evaluate(tiny_config)
+        assert tf.train.latest_checkpoint(tiny_config.model_dir) is None
+        assert not os.path.exists(os.path.join(tiny_config.model_dir, "model.weights.h5"))

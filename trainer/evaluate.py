@@ -53,6 +53,10 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                     "TFDS data dir, if not the training run's.")
 
 
+class CheckpointGone(Exception):
+    """The checkpoint was deleted before the evaluator could read it."""
+
+
 class Evaluator:
     """The run's model and evaluation, built once (trainer/build.py, as training
     builds them); evaluate(path) per checkpoint."""
@@ -80,11 +84,20 @@ class Evaluator:
         self.splits = evaluation.SplitMapper(strategy, config, spec, run.state, cache)
 
     def evaluate(self, checkpoint_path: str) -> dict:
-        """The metrics of one checkpoint (ckpt-N: the step N)."""
+        """The metrics of one checkpoint (ckpt-N: the step N). CheckpointGone if
+        it was deleted (a trainer's --keep_checkpoints) before it could be read."""
         try:
             self.checkpoint.restore(checkpoint_path).expect_partial(
                 ).assert_existing_objects_matched()
-        except (AssertionError, ValueError) as err:
+        except (AssertionError, ValueError, *checkpoints.UNREADABLE) as err:
+            # A failed restore leaves the checkpoint object half bound: a new one.
+            with self.strategy.scope():
+                self.checkpoint = checkpoints.training_checkpoint(self.run.state)
+            if not tf.io.gfile.exists(checkpoint_path + ".index"):
+                raise CheckpointGone(f"{os.path.basename(checkpoint_path)} was deleted "
+                                     f"before it could be read") from err
+            if not isinstance(err, (AssertionError, ValueError)):
+                raise
             raise checkpoints.CheckpointError(
                 f"{checkpoint_path} does not fit the run's model "
                 f"({str(err).splitlines()[0][:160]})") from err
@@ -116,25 +129,36 @@ def evaluate_checkpoints(model_dir: str, output_dir: str, checkpoint: str | None
     tf.io.gfile.makedirs(output_dir)
     writer = summaries.Writer(output_dir)
     records: list[dict] = []
+    missed: list[dict] = []  # the run's checkpoints not evaluated, and why
+
+    def write() -> None:
+        files.write_json(os.path.join(output_dir, EVALUATIONS_FILE),
+                         {"model_dir": model_dir, "evaluations": records,
+                          "missed": missed})
+
+    def miss(name: str, why: str) -> None:
+        logging.warning("missed %s: %s", name, why)
+        missed.append({"checkpoint": name, "why": why})
+        write()
 
     def record(path: str) -> None:
         try:
             result = evaluator.evaluate(path)
-        except checkpoints.UNREADABLE as err:
+        except (CheckpointGone, *checkpoints.UNREADABLE) as err:
             if not watch:
                 raise checkpoints.CheckpointError(
                     f"cannot read {path} ({type(err).__name__}: "
                     f"{str(err).splitlines()[0][:160] if str(err) else ''})") from err
-            # Deleted by the trainer's max_to_keep meanwhile, or unreadable: skip it.
-            logging.warning("skipped %s: %s", path, str(err).splitlines()[0][:200])
+            # Deleted by the trainer's --keep_checkpoints meanwhile, or unreadable.
+            miss(os.path.basename(path), str(err).splitlines()[0][:200] if str(err)
+                 else type(err).__name__)
             return
         logging.info("%s (step %d, epoch %.2f): %s  (%d examples)", result["checkpoint"],
                      result["step"], result["epoch"],
                      progress_lib.format_test_metrics(result), result["test_examples"])
         records.append(result)
         writer.eval(result)
-        files.write_json(os.path.join(output_dir, EVALUATIONS_FILE),
-                                {"model_dir": model_dir, "evaluations": records})
+        write()
 
     if not watch:
         path = checkpoint or tf.train.latest_checkpoint(model_dir)
@@ -161,7 +185,16 @@ def evaluate_checkpoints(model_dir: str, output_dir: str, checkpoint: str | None
             # not only the newest (evaluating can be slower than checkpointing).
             state = tf.train.get_checkpoint_state(model_dir)
             listed = list(state.all_model_checkpoint_paths) if state else [newest]
-            for path in sorted({*listed, newest}, key=lambda p: int(p.rsplit("-", 1)[-1])):
+            paths = sorted({*listed, newest}, key=lambda p: int(p.rsplit("-", 1)[-1]))
+            # The run saves at every multiple of its interval: those between the
+            # last one evaluated and the oldest listed were rotated away unseen.
+            every = evaluator.config.checkpoint_every or evaluator.plan.steps_per_epoch
+            oldest = int(paths[0].rsplit("-", 1)[-1])
+            for step in range((last_step // every + 1) * every, oldest, every):
+                if last_step >= 0 or step > 0:
+                    miss(f"ckpt-{step}", "deleted by the trainer's --keep_checkpoints "
+                         "before the evaluator saw it")
+            for path in paths:
                 if int(path.rsplit("-", 1)[-1]) > last_step:
                     record(path)
                     last_step = int(path.rsplit("-", 1)[-1])
@@ -185,13 +218,20 @@ def main(argv: list[str]) -> None:
         with locks.held(output_dir, "trainer.evaluate"):  # one writer per directory
             records = evaluate_checkpoints(FLAGS.model_dir, output_dir, FLAGS.checkpoint,
                                            FLAGS.watch, FLAGS.timeout, FLAGS.data_dir)
+    except locks.DirectoryInUse as err:  # as trainer.main: try again later
+        print(f"error: {message_of(err)}", file=sys.stderr)
+        sys.exit(locks.IN_USE_EXIT_CODE)
     except run_flags.USER_ERRORS as err:
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)
     except files.WriteError as err:  # as trainer.main: the file named, status 5
         print(f"error: {err}", file=sys.stderr)
         sys.exit(5)
-    print(f"evaluated {len(records)} checkpoint(s); wrote {output_dir}")
+    missed = files.read_json(os.path.join(output_dir, EVALUATIONS_FILE)).get(
+        "missed", []) if records else []
+    print(f"evaluated {len(records)} checkpoint(s)"
+          + (f", missed {len(missed)} ({', '.join(m['checkpoint'] for m in missed)})"
+             if missed else "") + f"; wrote {output_dir}")
     if not records:
         print("error: no checkpoint could be evaluated (see the warnings)", file=sys.stderr)
         sys.exit(2)

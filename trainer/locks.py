@@ -8,9 +8,16 @@ multi-worker job the chief holds it for the job.
 The lock is a small JSON file, so it works on any tf.io.gfile filesystem (gs://
 has no flock). A holder killed with -9, or a machine that was lost, leaves it
 behind; it is stale, and taken over without anyone deleting it, when
-- the holder ran on this host and its process is gone, or
-- it has not renewed its lease (every RENEW_SECONDS) for LEASE_SECONDS: a holder
-  on another machine that was lost, or a pid reused by another process here.
+- the holder ran on this host and its process is gone, or its pid now belongs to
+  another process (the record holds the process's start: boot id and start time),
+  the rerun's own pid included; a live holder on this host is never taken over,
+  however long it has been frozen (kill -STOP) past its lease;
+- the holder ran on another host and has not renewed its lease (every
+  RENEW_SECONDS) for LEASE_SECONDS: a machine that was lost.
+A holder checks the lock is still its own before every checkpoint and final output
+(`check_held`); one that finds it taken over stops with LockLost before writing
+again. "In use" is exit status 75 for the commands (EX_TEMPFAIL: a scheduler
+retries), not the bad-input 2.
 Creating the file is exclusive on a local disk (the whole record hard-linked to
 the name, which fails if it exists); elsewhere the writer writes its token, waits
 SETTLE_SECONDS and reads it back (the last writer wins).
@@ -37,7 +44,31 @@ SETTLE_SECONDS = 1.0
 
 
 class DirectoryInUse(CheckpointError):
-    """Another live process holds the directory (exit status 2)."""
+    """Another live process holds the directory (the commands: exit status 75,
+    try again later)."""
+
+
+class LockLost(RuntimeError):
+    """Another process took this run's directory over (its holder looked dead: a
+    frozen machine past its lease); this one stopped before writing again (exit
+    status 6)."""
+
+
+IN_USE_EXIT_CODE = 75   # EX_TEMPFAIL
+LOCK_LOST_EXIT_CODE = 6
+_HELD: dict[str, "Lock"] = {}  # the lock file's path -> this process's Lock
+
+
+def process_start(pid: int) -> str | None:
+    """What tells a process from a later one with its pid: the boot id and its
+    start time in clock ticks (Linux's /proc); None where that is unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            start = f.read().rsplit(")", 1)[1].split()[19]  # field 22, starttime
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{f.read().strip()}:{start}"
+    except (OSError, IndexError):
+        return None
 
 
 def _alive(pid: int) -> bool:
@@ -61,13 +92,21 @@ def _read(path: str) -> dict | None:
         return None if not tf.io.gfile.exists(path) else {"token": "unreadable"}
 
 
-def _stale(record: dict) -> bool:
+def _stale(record: dict, path: str) -> bool:
     if record.get("token") == "unreadable":
         return True
-    if record.get("host") == socket.gethostname() and not _alive(int(record.get("pid", -1))):
+    lease_over = time.time() - float(record.get("renewed", 0)) > LEASE_SECONDS
+    if record.get("host") != socket.gethostname():
+        return lease_over  # elsewhere: the lease tells
+    pid = int(record.get("pid", -1))
+    if not _alive(pid):
         return True
-    # Elsewhere, or a pid now used by another process: the lease tells.
-    return time.time() - float(record.get("renewed", 0)) > LEASE_SECONDS
+    if pid == os.getpid():  # this process: stale unless it holds it now
+        return path not in _HELD or _HELD[path].record["token"] != record.get("token")
+    started, now = record.get("started"), process_start(pid)
+    if started and now:  # the same process, alive (frozen or not), or its pid reused
+        return started != now
+    return lease_over  # (a record without the start, or no /proc: the lease)
 
 
 def _describe(record: dict) -> str:
@@ -82,6 +121,7 @@ class Lock:
     def __init__(self, path: str, record: dict, made_directory: bool = False):
         self.path, self.record = path, record
         self.made_directory = made_directory
+        _HELD[path] = self
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, daemon=True,
                                         name="lock-lease")
@@ -98,8 +138,19 @@ class Lock:
             except files.WriteError as err:  # the run's own writes will say more
                 logging.warning("could not renew %s: %s", self.path, err)
 
+    def check(self) -> None:
+        """LockLost unless the lock is still this process's (before every write)."""
+        holder = _read(self.path) or {}
+        if holder.get("token") != self.record["token"]:
+            taken = (f"by {_describe(holder)}" if holder.get("token") else
+                     "(its lock is gone)")
+            raise LockLost(f"{os.path.dirname(self.path)} was taken over {taken}; this "
+                           f"process stopped before writing to it again (its checkpoints"
+                           f" there are the other process's now)")
+
     def release(self) -> None:
         """Removes the lock if it is still this process's."""
+        _HELD.pop(self.path, None)
         self._stop.set()
         self._thread.join(timeout=5)
         try:
@@ -146,7 +197,7 @@ def acquire(directory: str, command: str) -> Lock:
     path = os.path.join(directory, LOCK_FILE)
     pid = os.getpid()
     record = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": pid,
-              "command": command,
+              "started": process_start(pid), "command": command,
               "since": time.time(), "renewed": time.time()}
     for _ in range(3):
         try:
@@ -158,7 +209,7 @@ def acquire(directory: str, command: str) -> Lock:
         holder = _read(path)
         if holder is None:
             continue  # released meanwhile: try again
-        if not _stale(holder):
+        if not _stale(holder, path):
             raise DirectoryInUse(
                 f"{directory} is in use by {_describe(holder)}; wait for it to end, "
                 f"stop it, or use another directory")
@@ -171,6 +222,15 @@ def acquire(directory: str, command: str) -> Lock:
                 pass
     raise DirectoryInUse(f"{directory}: could not take its lock ({path}) after three "
                          f"tries; another process is starting there")
+
+
+def check_held(directory: str) -> None:
+    """LockLost if this process held `directory` and another has taken it over
+    since; nothing if this process does not hold it (a non-chief worker, a loop
+    called without a command)."""
+    lock = _HELD.get(os.path.join(directory, LOCK_FILE))
+    if lock is not None:
+        lock.check()
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 from data import files
-from trainer import averaging, build, checkpoints, distributed, evaluation, faults
+from trainer import averaging, build, checkpoints, distributed, evaluation, faults, locks
 from trainer import flops, inputs, provenance, randomness, schedules
 from trainer import strategy as strategy_lib
 from trainer import config as config_lib
@@ -200,6 +200,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     def stop_here(at_step: int) -> None:
         """A stop signal (SIGTERM, SIGINT, SIGHUP): this step saved, then the
         command exits 75 and the same command resumes."""
+        locks.check_held(config.model_dir)
         checkpoints.save(manager, at_step, state)
         recorder.save()
         raise faults.Preempted(f"stopped by {stop_signals.signal}: saved a checkpoint at step "
@@ -218,6 +219,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                                 "wall_seconds": wall.elapsed(),
                                 "train_seconds": progress.train_seconds, **result})
         if is_chief and recorder.improved(record):  # keep the best weights
+            locks.check_held(config.model_dir)  # (still this process's directory?)
             with averaging.averaged_weights(state):  # (those just evaluated)
                 checkpoints.save_weights(run.output_model, os.path.join(
                     config.model_dir, inference.BEST_WEIGHTS_FILE))
@@ -290,6 +292,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                 record_evaluation(current)
                 evaluated = current == plan.total_steps
             if due("checkpoint"):
+                locks.check_held(config.model_dir)
                 checkpoints.save(manager, current, state)
                 recorder.save()
         if not evaluated:  # e.g. resumed after the last step: the pictures need one
@@ -318,6 +321,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             "settings": config.as_dict(), "provenance": where,
         }
         if is_chief:
+            locks.check_held(config.model_dir)
             checkpoints.save_weights(run.output_model, os.path.join(
                 config.model_dir, inference.WEIGHTS_FILE))
     metrics["state_sha256"] = progress_lib.state_checksum(state)  # (raw, all of it)

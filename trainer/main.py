@@ -3,14 +3,16 @@
 Parses the flags (one per trainer.config.Config field, plus --plot_schedule) into
 one frozen Config, validates it before any heavy work, and calls
 `loop.train_and_evaluate`. Exit status: 0 done; 2 bad settings or input (a one-line
-error on stderr, before training); 3 the loss diverged or a weight became
+error on stderr, before training); 6 another process took the run directory over
+(this one stopped before writing again); 3 the loss diverged or a weight became
 non-finite (nothing saved after it; the last good checkpoint kept);
 4 a multi-worker run lost a worker (restart all to resume); 5 a checkpoint or a
 final output could not be written (disk full, no permission; the file is named, the
 last good checkpoint and the previous complete file are kept); 75 stopped by
 SIGTERM, SIGINT (Ctrl-C) or SIGHUP (a checkpoint of the current step was saved, also
 during an evaluation: run the same command to resume; a second signal stops at once
-with 128 + its number, the last checkpoint kept).
+with 128 + its number, the last checkpoint kept); 75 also when another live
+process holds the run directory (try again later).
 """
 import logging as std_logging
 import os
@@ -79,6 +81,12 @@ def main(argv: list[str]) -> None:
                                        f"{config.model_dir}")
             if not strategy_lib.is_chief_process(config.strategy):
                 _leave_without_tensorflow_shutdown()
+    except locks.DirectoryInUse as err:  # (a scheduler retries 75)
+        print(f"error: {message_of(err)}", file=sys.stderr)
+        sys.exit(locks.IN_USE_EXIT_CODE)
+    except locks.LockLost as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(locks.LOCK_LOST_EXIT_CODE)
     except USER_ERRORS as err:
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)
