@@ -42,12 +42,17 @@ def define_flags() -> None:
                     "and exit without training.")
 
 
-# Errors that mean "the user asked for something impossible": one line, status 2.
+# Set when this module runs as the program (not when a test calls main).
+LEAVE_WHEN_DONE = False
+
+
 def _leave_without_tensorflow_shutdown() -> None:
-    """A non-chief worker whose run is done (the loop's last all-reduce passed, so
-    every worker is done too) exits at once: TensorFlow's own shutdown would wait on
-    the chief's coordination service, which the chief, done too, takes down as it
-    exits: 6 s here, ending in an UNAVAILABLE error line, at every run's end."""
+    """A process whose run is done, its files written whole and its lock released,
+    exits at once. TensorFlow's own shutdown can wait minutes in the destructor of
+    the training input's iterator (issue 31: 107 s after `Done:`), and a non-chief
+    worker's (the loop's last all-reduce passed, so every worker is done too) would
+    wait on the chief's coordination service, which the chief, done too, takes down
+    as it exits: 6 s here, ending in an UNAVAILABLE error line."""
     sys.stdout.flush()
     sys.stderr.flush()
     std_logging.shutdown()
@@ -79,7 +84,7 @@ def main(argv: list[str]) -> None:
                 raise faults.Preempted(f"{stop.signal} while the final outputs were "
                                        f"written (they are complete) in "
                                        f"{config.model_dir}")
-            if not strategy_lib.is_chief_process(config.strategy):
+            if LEAVE_WHEN_DONE or not strategy_lib.is_chief_process(config.strategy):
                 _leave_without_tensorflow_shutdown()
     except locks.DirectoryInUse as err:  # (a scheduler retries 75)
         print(f"error: {message_of(err)}", file=sys.stderr)
@@ -109,5 +114,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    LEAVE_WHEN_DONE = True
     define_flags()
     cli.run(main)
