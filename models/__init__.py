@@ -160,7 +160,7 @@ def build(name: str, num_classes: int | None, input_shape: tuple[int, int, int],
     if whole_model:
         try:
             model.load_weights(weights)
-        except ValueError as err:
+        except (ValueError, OSError, KeyError, TypeError) as err:  # (h5py: OSError)
             raise ValueError(f"--weights={weights} does not fit {model.name}: "
                              f"{str(err).splitlines()[0]}") from err
     return model

@@ -48,6 +48,9 @@ def build(num_classes: int = 5, input_shape: tuple[int, int, int] = (192, 192, 3
     if not tiny and min(input_shape[:2]) < MIN_SIZE:
         raise ValueError(f"xception needs images of at least {MIN_SIZE}x{MIN_SIZE}, got "
                          f"{input_shape[0]}x{input_shape[1]}; raise --image_size")
+    if tiny and backbone_weights:
+        raise ValueError(f"--weights={backbone_weights}: the tiny xception has no "
+                         f"backbone to load it into; drop --weights or --model_size=tiny")
     inputs = keras.Input(shape=input_shape, name="image")
     x = _tiny_backbone(inputs) if tiny else _backbone(inputs, backbone_weights)
     x = layers.GlobalAveragePooling2D()(x)

@@ -131,3 +131,22 @@ def test_a_symbolic_link_in_a_run_is_refused_and_nothing_outside_is_touched(
     assert "symbolic link" in _errors(log)[0] and link in _errors(log)[0]
     assert (outside / "precious.txt").read_text() == "keep me"
     assert os.listdir(outside) == ["precious.txt"]
+
+
+def test_more_bad_input_is_one_line_not_a_traceback(tmp_path, run):
+    """A --weights file that is not HDF5; weights the tiny xception would ignore;
+    a directory given to predict as an image."""
+    from trainer.serving import inference
+    not_hdf5 = tmp_path / "x.weights.h5"
+    not_hdf5.write_text("not HDF5")
+    backbone = tmp_path / "notop.h5"
+    backbone.write_text("a backbone file")
+    for flags, message in [((f"--weights={not_hdf5}",), "does not fit"),
+                           (("--model=xception", f"--weights={backbone}"),
+                            "the tiny xception has no backbone")]:
+        status, log = run(*SAME, f"--model_dir={tmp_path / message[:8]}", *flags)
+        errors = _errors(log)
+        assert status == 2 and len(errors) == 1 and message in errors[0], log[-2000:]
+        assert "Traceback" not in log
+    with pytest.raises(inference.InferenceError, match="it is a directory"):
+        inference.decode_file(str(tmp_path))

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from data import sources
+from data import files, sources
 from trainer import build, checkpoints, config as config_lib, inputs
 
 WEIGHTS_FILE, BEST_WEIGHTS_FILE = checkpoints.WEIGHTS_FILE, checkpoints.BEST_WEIGHTS_FILE
@@ -21,12 +21,17 @@ class InferenceError(RuntimeError):
 
 def decode_file(path: str) -> np.ndarray:
     """An image file (JPEG, PNG, GIF, BMP; grey, RGBA or RGB) -> uint8 [H, W, 3]."""
+    if tf.io.gfile.isdir(path):
+        raise InferenceError(f"cannot read image {path}: it is a directory; give "
+                             f"image files")
     try:
         data = tf.io.read_file(path)
         return tf.io.decode_image(data, channels=3, expand_animations=False).numpy()
-    except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as err:
-        reason = "no such file" if isinstance(err, tf.errors.NotFoundError) else (
-            "not a JPEG, PNG, GIF or BMP image")
+    except tf.errors.OpError as err:
+        reason = ("no such file" if isinstance(err, tf.errors.NotFoundError) else
+                  "not a JPEG, PNG, GIF or BMP image"
+                  if isinstance(err, tf.errors.InvalidArgumentError) else
+                  files.reason_of(err))
         raise InferenceError(f"cannot read image {path}: {reason}") from err
 
 
