@@ -200,6 +200,9 @@ def evaluate_checkpoints(model_dir: str, output_dir: str, checkpoint: str | None
                     last_step = int(path.rsplit("-", 1)[-1])
             last_new = time.time()
     writer.close()
+    if missed:
+        logging.warning("missed %d checkpoint(s): %s (in %s)", len(missed),
+                        ", ".join(m["checkpoint"] for m in missed), EVALUATIONS_FILE)
     return records
 
 
@@ -227,11 +230,7 @@ def main(argv: list[str]) -> None:
     except files.WriteError as err:  # as trainer.main: the file named, status 5
         print(f"error: {err}", file=sys.stderr)
         sys.exit(5)
-    missed = files.read_json(os.path.join(output_dir, EVALUATIONS_FILE)).get(
-        "missed", []) if records else []
-    print(f"evaluated {len(records)} checkpoint(s)"
-          + (f", missed {len(missed)} ({', '.join(m['checkpoint'] for m in missed)})"
-             if missed else "") + f"; wrote {output_dir}")
+    print(f"evaluated {len(records)} checkpoint(s); wrote {output_dir}")
     if not records:
         print("error: no checkpoint could be evaluated (see the warnings)", file=sys.stderr)
         sys.exit(2)

@@ -61,7 +61,9 @@ _HELD: dict[str, "Lock"] = {}  # the lock file's path -> this process's Lock
 
 def process_start(pid: int) -> str | None:
     """What tells a process from a later one with its pid: the boot id and its
-    start time in clock ticks (Linux's /proc); None where that is unknown."""
+    start time in clock ticks (Linux's /proc); None where that is unknown. (Plain
+    open: /proc is this machine's process table, not a run's file, and gfile reads
+    its zero-size files as empty.)"""
     try:
         with open(f"/proc/{pid}/stat") as f:
             start = f.read().rsplit(")", 1)[1].split()[19]  # field 22, starttime
