@@ -3,20 +3,24 @@
 Every file a run or a data writer leaves goes to a temporary name unique to its
 writer (`<name>.tmp-<32 hex>`), then is renamed over the final name: a crash, a
 kill -9 or a full disk leaves the previous complete file or none, never half of
-one. A temporary left by a killed writer is recognised by its name
-(`is_temporary`) and removed at the next start (`remove_stale_temporaries`).
+one. A temporary left by a killed writer is recognised by its name and what it
+holds, and removed at the next start (`remove_stale_temporaries`).
 """
 import contextlib
 import json
 import os
 import re
-from typing import Iterator
+from typing import Callable, Iterator
 import uuid
 
 import tensorflow as tf
 
 # <name>.tmp-<uuid hex>: ours; <ckpt-N>_temp[...]: TensorFlow's checkpoint writer's.
 _TEMPORARY = re.compile(r"(\.tmp-[0-9a-f]{32}$)|(^ckpt-\d+_temp)")
+_OUR_SUFFIX = re.compile(r"\.tmp-[0-9a-f]{32}$")
+# What TensorFlow's writer puts in ckpt-N_temp/ (the shards, and their files while
+# being written) before it moves them beside it.
+_CHECKPOINT_PART = re.compile(r"^part-\d+-of-\d+\.(index|data-\d+-of-\d+)(\.tempstate\d+)?$")
 
 
 class WriteError(OSError):
@@ -117,23 +121,46 @@ def copy_atomically(source: str, path: str) -> None:
         write_atomically(path, f.read())
 
 
-def remove_stale_temporaries(directory: str) -> list[str]:
-    """Removes the temporaries (`is_temporary`) directly in `directory`, and in its
+def remove_stale_temporaries(directory: str, final_names: Callable[[str], bool]
+                             ) -> list[str]:
+    """Removes what a killed writer left directly in `directory` and in its
     `.worker_tmp` (other workers' checkpoint copies); returns the names removed.
-    Call it only while no other writer uses the directory (trainer/locks.py)."""
+    Recognised by what the writers here write, not by the name alone: a
+    `<name>.tmp-<hex>` whose <name> is one the directory's writers write
+    (`final_names(name)`), and TensorFlow's `ckpt-N_temp/` holding only checkpoint
+    parts. A symbolic link is never one (nor followed). Call it only while no other
+    writer uses the directory (trainer/locks.py)."""
     removed = []
     for folder in (directory, os.path.join(directory, ".worker_tmp")):
-        if not tf.io.gfile.isdir(folder):
+        if not tf.io.gfile.isdir(folder) or _is_link(folder):
             continue
         names = tf.io.gfile.listdir(folder)
         if folder != directory:  # .worker_tmp/worker_N/ckpt-M_temp
             names = [os.path.join(n.rstrip("/"), m) for n in names
                      if tf.io.gfile.isdir(os.path.join(folder, n))
+                     and not _is_link(os.path.join(folder, n))
                      for m in tf.io.gfile.listdir(os.path.join(folder, n))]
         for name in names:
-            if is_temporary(name):
-                _remove_quietly(os.path.join(folder, name.rstrip("/")))
-                removed.append(os.path.relpath(os.path.join(folder, name.rstrip("/")),
-                                               directory)
+            path = os.path.join(folder, name.rstrip("/"))
+            if _left_by_a_writer(path, final_names):
+                _remove_quietly(path)
+                removed.append(os.path.relpath(path, directory)
                                if "://" not in directory else name.rstrip("/"))
     return removed
+
+
+def _is_link(path: str) -> bool:
+    return "://" not in path and os.path.islink(path)
+
+
+def _left_by_a_writer(path: str, final_names: Callable[[str], bool]) -> bool:
+    name = os.path.basename(path)
+    if not is_temporary(name) or _is_link(path):
+        return False
+    suffix = _OUR_SUFFIX.search(name)
+    if suffix:
+        return final_names(name[:suffix.start()])
+    if not tf.io.gfile.isdir(path):  # (TensorFlow's is a folder)
+        return False
+    return all(_CHECKPOINT_PART.match(part.rstrip("/")) and not _is_link(
+        os.path.join(path, part.rstrip("/"))) for part in tf.io.gfile.listdir(path))

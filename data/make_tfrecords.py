@@ -399,6 +399,18 @@ def write(source: str, output: str, image_size: int, shards: int,
             f"({', '.join(sources.names())}) nor {GENERATED!r}")
     if not total:
         raise sources.DatasetError(f"{source} has no images ({', '.join(IMAGE_EXTENSIONS)})")
+    holdout = (sources.get_spec(tfds_name).holdout_fraction if tfds_name
+               else sources.DEFAULT_HOLDOUT)
+    # "source" stays a TFDS name or "": sources reads it as one (its spec's defaults).
+    meta = {"source": tfds_name, "class_names": classes, "image_size": image_size,
+            "records": total, "holdout_fraction": holdout, "split": split,
+            "encoding": encoding, "jpeg_round_trip": round_trip, **extra}
+    # The description says "complete": false until the last shard is written, so a
+    # conversion cut short (a full disk, a kill) is refused by training, by name.
+    description = os.path.join(tfrecords.directory(output), sources.TFRECORD_METADATA)
+    tf.io.gfile.makedirs(tfrecords.directory(output) or ".")
+    files.write_json(description, {**meta, "complete": False,
+                                   "output": output})
     if progress is not None:
         progress.start(total)
         records = progress.track(records)
@@ -407,14 +419,15 @@ def write(source: str, output: str, image_size: int, shards: int,
     finally:
         if progress is not None:
             progress.close()  # (a bar left open would garble an error line)
-    holdout = (sources.get_spec(tfds_name).holdout_fraction if tfds_name
-               else sources.DEFAULT_HOLDOUT)
-    # "source" stays a TFDS name or "": sources reads it as one (its spec's defaults).
-    meta = {"source": tfds_name, "class_names": classes, "image_size": image_size,
-            "records": total, "holdout_fraction": holdout, "files": len(paths),
-            "split": split, "encoding": encoding, "jpeg_round_trip": round_trip, **extra}
-    files.write_json(os.path.join(tfrecords.directory(output), sources.TFRECORD_METADATA),
-                     meta)
+    # An earlier conversion of this prefix (another --shards) would be read too.
+    earlier = [path for path in tfrecords.shards_of(output) if path not in paths]
+    for path in earlier:
+        tf.io.gfile.remove(path)
+    if earlier:
+        print(f"removed {len(earlier)} shard(s) of an earlier conversion to {output}: "
+              f"{', '.join(os.path.basename(p) for p in earlier)}", file=sys.stderr)
+    files.write_json(description, {**meta, "complete": True, "files": len(paths),
+                                   "shards": [os.path.basename(p) for p in paths]})
     if progress is not None:
         progress.finish()
     return paths

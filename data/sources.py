@@ -238,6 +238,10 @@ def _read_metadata(path: str) -> dict | None:
         raise DatasetError(f"{path} is not a dataset description with a class_names list "
                            f"({type(err).__name__}); rewrite it with python -m "
                            f"data.make_tfrecords, or delete it") from err
+    if meta.get("complete") is False:  # (descriptions from before it: complete)
+        raise DatasetError(f"{path}: the conversion to {meta.get('output', 'these files')} "
+                           f"did not finish (python -m data.make_tfrecords stopped part "
+                           f"way: a full disk, a kill); run it again")
     return meta
 
 
@@ -505,9 +509,10 @@ def check_count(spec: DatasetSpec, validation: bool, read: int, promised: int) -
 
 
 def explain_read_error(spec: DatasetSpec) -> str | None:
-    """After a failed read: which file is broken, if it can be found (TFRecords)."""
+    """After a failed read or step: which file is broken or holds a class out of
+    range, if it can be found (TFRecords)."""
     for pattern in (spec.tfrecord_pattern, spec.eval_pattern):
-        culprit = pattern and tfrecords.find_corrupt(pattern)
+        culprit = pattern and tfrecords.find_corrupt(pattern, spec.num_classes)
         if culprit:
             return culprit
     return None
@@ -563,6 +568,9 @@ def load_tfds(name: str, split: str, data_dir: str | None = None,
                              as_supervised=True, shuffle_files=False, with_info=True)
     except (AssertionError, tfds.core.registered.DatasetNotFoundError) as err:
         raise DatasetError(not_prepared(name, split, data_dir)) from err
+    except KeyError as err:  # a version folder without its dataset_info.json
+        raise DatasetError(not_prepared(name, split, data_dir, "its dataset_info.json is "
+                                        f"missing or names no split {split!r}")) from err
     try:
         num_examples = info.splits[split].num_examples
     except KeyError:  # no split metadata (e.g. tfds.testing.mock_data): count
@@ -573,9 +581,9 @@ def load_tfds(name: str, split: str, data_dir: str | None = None,
     return ds, int(num_examples)
 
 
-def not_prepared(name: str, split: str, data_dir: str | None) -> str:
-    """The one line for a TFDS dataset that is not in the data dir: where we looked
-    and how to prepare it."""
+def not_prepared(name: str, split: str, data_dir: str | None, why: str = "") -> str:
+    """The one line for a TFDS dataset that is not in the data dir: where we looked,
+    `why` if known, and how to prepare it."""
     tfds = _tfds()
     root = data_dir or os.path.expanduser("~/tensorflow_datasets")  # TFDS' default
     try:
@@ -588,7 +596,8 @@ def not_prepared(name: str, split: str, data_dir: str | None) -> str:
            f"tfds build {name} --data_dir={root}" if manual else
            f"run tfds build {name} --data_dir={root} where there is network, or add "
            f"--download_data")
-    return (f"dataset {name!r} split {split!r} is not prepared in {where}: {how} (or pass "
+    why = f" ({why})" if why else ""
+    return (f"dataset {name!r} split {split!r} is not prepared in {where}{why}: {how} (or pass "
             f"--data_dir=DIR / set TFDS_DATA_DIR to a prepared TFDS data dir)")
 
 

@@ -44,6 +44,18 @@ def shard_path(prefix: str, shard: int, count: int) -> str:
     return f"{prefix}{shard:02d}-{count}.tfrec"
 
 
+def shards_of(prefix: str) -> list[str]:
+    """The shard files a conversion to `prefix` writes (PREFIX{NN}-{count}.tfrec)
+    that exist now, in shard order."""
+    name = re.compile(re.escape(os.path.basename(prefix)) + r"\d{2,}-\d+\.tfrec$")
+    parent = directory(prefix)
+    try:
+        found = tf.io.gfile.listdir(parent or ".")
+    except tf.errors.NotFoundError:
+        return []
+    return sorted((os.path.join(parent, n) for n in found if name.match(n)), key=_natural)
+
+
 def has_count(path: str) -> bool:
     return bool(_COUNT.search(path))
 
@@ -200,19 +212,25 @@ def scan_classes(paths: list[str], num_classes: int | None = None,
     return names
 
 
-def find_corrupt(pattern: str) -> str | None:
+def find_corrupt(pattern: str, num_classes: int | None = None) -> str | None:
     """Reads every record of every file (slow; call it only after a read failed) and
-    returns a one-line description of the first unreadable record, or None."""
-    return corrupt_record(files(pattern))
+    returns a one-line description of the first unreadable record, or of the first
+    whose class is not one of `num_classes`, or None."""
+    return corrupt_record(files(pattern), num_classes)
 
 
-def corrupt_record(paths: list[str]) -> str | None:
+def corrupt_record(paths: list[str], num_classes: int | None = None) -> str | None:
     """find_corrupt for a list of files."""
     for path in paths:
         index = -1
         try:
             for index, record in enumerate(tf.data.TFRecordDataset(path)):
-                parse(record)
+                class_id = int(parse(record)[1])
+                if num_classes and not 0 <= class_id < num_classes:
+                    return (f"TFRecord file {path}, record {index}: class {class_id} is "
+                            f"not one of the dataset's {num_classes} classes (0-"
+                            f"{num_classes - 1}); fix the records, or the class list in "
+                            f"their dataset.json (or ;classes=N)")
         except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as err:
             message = str(err).splitlines()[0].split("}}")[-1].split(" [Op:")[0]
             message = message.split("' failed with ")[0].strip(" '")

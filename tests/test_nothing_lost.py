@@ -334,11 +334,19 @@ def test_stale_temporaries_are_removed_at_start_up_and_complete_files_kept(
     (model_dir / "ckpt-4_temp" / "part-00000-of-00001.data-00000-of-00001").write_text("x")
     (model_dir / f"metrics.json.tmp-{'a' * 32}").write_text("{")
     (model_dir / "notes.tmp").write_text("a user's file")  # not a writer's temporary
+    # Named like temporaries, but not what a writer of the run leaves (issue 31):
+    # a user's file, a folder of theirs named like TensorFlow's.
+    (model_dir / f"notes.tmp-{'b' * 32}").write_text("a user's file")
+    (model_dir / "ckpt-9_temp").mkdir()
+    (model_dir / "ckpt-9_temp" / "keep.txt").write_text("a user's file")
     status, err = run(*TINY, f"--model_dir={model_dir}")
     assert status == 0, err[-1500:]
     assert "removed 2 temporary file(s)" in err and "ckpt-4_temp" in err
-    assert not _leftovers(model_dir)
+    assert not [path for path in _leftovers(model_dir)
+                if not path.endswith((f"notes.tmp-{'b' * 32}", "ckpt-9_temp"))]
     assert (model_dir / "notes.tmp").exists() and (model_dir / "ckpt-2.index").exists()
+    assert (model_dir / f"notes.tmp-{'b' * 32}").read_text() == "a user's file"
+    assert (model_dir / "ckpt-9_temp" / "keep.txt").read_text() == "a user's file"
 
 
 # --- 7. SIGTERM during start-up ---------------------------------------------------------

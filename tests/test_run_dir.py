@@ -150,3 +150,129 @@ def test_more_bad_input_is_one_line_not_a_traceback(tmp_path, run):
         assert "Traceback" not in log
     with pytest.raises(inference.InferenceError, match="it is a directory"):
         inference.decode_file(str(tmp_path))
+
+
+def test_a_full_disk_for_tensorboard_is_a_write_error_not_a_traceback(tmp_path):
+    from data import files
+    from trainer.output import summaries
+    (tmp_path / "train").write_text("a file where the summaries' folder goes")
+    with pytest.raises(files.WriteError, match=r"could not write the TensorBoard "
+                       r"summaries in .*; free space there or choose another"):
+        summaries.Writer(str(tmp_path))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("eval_batch_size", -5, "eval_batch_size must be >= 0, got -5"),
+    ("image_size", 100000, "image_size=100000 is beyond 4096 pixels a side"),
+    ("batch_size", "abc", "a value of the wrong type")])
+def test_a_run_config_no_run_can_have_is_one_line_for_the_commands_on_the_run(
+        finished_tiny, tiny_config, key, value, message):
+    """predict, evaluate and export read the run's settings with build.config_of_run."""
+    from trainer import build
+    path = os.path.join(tiny_config.model_dir, checkpoints.RUN_CONFIG)
+    with open(path) as f:
+        settings = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**settings, key: value}, f)
+    with pytest.raises(checkpoints.CheckpointError, match=(
+            f"run_config.json holds a setting no run can have: {message}")):
+        build.config_of_run(tiny_config.model_dir)
+
+
+@pytest.mark.long(8)  # seconds, with -n 2
+def test_tfrecord_classes_out_of_range_are_one_line_naming_the_record(tmp_path, run):
+    from conftest import small_tfrecord_dataset
+    from data import tfrecords
+    shard = small_tfrecord_dataset(tmp_path)  # classes a, b: ids 0 and 1
+    records = [bytes(r.numpy()) for r in tf.data.TFRecordDataset(shard)]
+    bad = tf.train.Example.FromString(records[5])
+    bad.features.feature["class"].int64_list.value[:] = [57]
+    records[5] = bad.SerializeToString()
+    with tf.io.TFRecordWriter(shard) as writer:
+        for record in records:
+            writer.write(record)
+    pattern = os.path.join(os.path.dirname(shard), "x*.tfrec")
+    assert "record 5: class 57 is not one of the dataset's 2 classes" in (
+        tfrecords.find_corrupt(pattern, 2))
+    status, log = run("--model_size=tiny", f"--dataset=tfrecord:{pattern}",
+                      "--batch_size=4", "--train_steps=3", "--steps_per_loop=3",
+                      "--precision=float32", f"--model_dir={tmp_path / 'run'}")
+    assert status == 2 and "Traceback" not in log, log[-2000:]
+    assert "class 57 is not one of the dataset's 2 classes" in _errors(log)[0]
+
+
+def test_a_tfds_folder_without_its_dataset_info_is_one_line(tmp_path):
+    from data import sources
+    (tmp_path / "cifar10" / "3.0.2").mkdir(parents=True)
+    with pytest.raises(sources.DatasetError, match=r"not prepared in .*3\.0\.2 \(its "
+                       r"dataset_info.json is missing or names no split 'train'\)"):
+        sources.load_tfds("cifar10", "train", str(tmp_path))
+
+
+def test_a_conversion_cut_short_is_refused_and_another_of_the_prefix_replaces_it(
+        tmp_path, monkeypatch, capsys):
+    from data import files, make_tfrecords, sources, tfrecords
+    output = str(tmp_path / "data" / "gen")
+    generated = make_tfrecords.Generated(num_examples=12, classes=2)
+    make_tfrecords.write("generated", output, 8, 4, None, generated=generated)
+    assert len(tfrecords.shards_of(output)) == 4
+    make_tfrecords.write("generated", output, 8, 2, None, generated=generated)
+    assert [os.path.basename(p) for p in tfrecords.shards_of(output)] == [
+        "gen00-6.tfrec", "gen01-6.tfrec"]  # the 4 of the first conversion removed
+    assert "removed 4 shard(s) of an earlier conversion" in capsys.readouterr().err
+    spec = sources.get_spec(f"tfrecord:{output}*.tfrec")
+    assert spec.num_classes == 2
+    real = tfrecords.write_shards
+
+    def disk_full_after_one_shard(records, total, prefix, num_shards):
+        real(records, total // 3, prefix, 1)
+        raise files.WriteError("could not write a shard (No space left on device)")
+
+    monkeypatch.setattr(tfrecords, "write_shards", disk_full_after_one_shard)
+    with pytest.raises(files.WriteError):
+        make_tfrecords.write("generated", output, 8, 3, None, generated=generated)
+    with pytest.raises(sources.DatasetError, match=r"dataset.json: the conversion to "
+                       r".*gen did not finish .*; run it again"):
+        sources.get_spec(f"tfrecord:{output}*.tfrec")
+
+
+@pytest.mark.long(8)  # seconds, with -n 2
+def test_an_export_killed_part_way_is_cleaned_by_the_next(finished_tiny, tiny_config,
+                                                          tmp_path):
+    from data import files
+    from trainer import locks
+    from trainer.serving import export
+    export_dir = tmp_path / "exported"
+    killed = tmp_path / f"exported.tmp-{'c' * 32}"
+    killed.mkdir()
+    files.write_json(str(killed / export._WRITER_FILE),  # noqa: SLF001
+                     {**locks.writer_record(), "pid": 2 ** 22 + 7, "started": "x"})
+    running = tmp_path / f"exported.tmp-{'d' * 32}"  # another export, still writing
+    running.mkdir()
+    parent = os.getppid()  # (a live process that is not this one)
+    files.write_json(str(running / export._WRITER_FILE),  # noqa: SLF001
+                     {**locks.writer_record(), "pid": parent,
+                      "started": locks.process_start(parent)})
+    mine = tmp_path / f"exported-notes.tmp-{'e' * 32}"  # not an export's
+    mine.mkdir()
+    export.export(tiny_config.model_dir, str(export_dir))
+    assert not killed.exists() and running.exists() and mine.exists()
+    assert tf.io.gfile.exists(str(export_dir / "saved_model.pb"))
+    assert not (export_dir / export._WRITER_FILE).exists()  # noqa: SLF001
+
+
+def test_a_lock_that_cannot_be_written_is_one_line_and_leaves_no_temporary(
+        tmp_path, monkeypatch):
+    """(A full disk at start-up: the lock is the run's first file.)"""
+    from trainer import locks
+
+    def full_disk_name(path, mode="r"):  # created, then the disk refuses its bytes
+        open(path, "w").close()
+        raise tf.errors.ResourceExhaustedError(None, None, f"{path}.tmp-x; No space "
+                                               f"left on device")
+
+    monkeypatch.setattr(tf.io.gfile, "GFile", full_disk_name)
+    with pytest.raises(checkpoints.CheckpointError, match=r"cannot write .*writer.lock "
+                       r"\(No space left on device\); free space there or choose"):
+        locks.acquire(str(tmp_path / "run"), "trainer.main")
+    assert not [n for n in os.listdir(tmp_path / "run") if "tmp-" in n]

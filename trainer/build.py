@@ -15,8 +15,10 @@ import tensorflow as tf
 
 from data import pipeline, sources
 import models
-from trainer import averaging, flops, inputs, optimizers, schedules, step, tasks
+from trainer import averaging, checkpoints, flops, inputs, optimizers, schedules, step
+from trainer import tasks
 from trainer import state as state_lib
+from trainer import config as config_lib
 from trainer.config import Config, ConfigError
 
 
@@ -54,6 +56,23 @@ class Plan:
         total = config.train_steps or config.epochs * steps_per_epoch
         return cls(train_examples, eval_examples, steps_per_epoch, total,
                    pipeline.eval_steps(eval_examples, eval_batch), per_replica)
+
+
+def config_of_run(model_dir: str) -> Config:
+    """The Config of the run in model_dir (run_config.json with the changes of later
+    starts), checked as trainer.main checks its flags, so that evaluate, predict and
+    export on an edited or damaged file stop with one CheckpointError line."""
+    settings = checkpoints.read_run_config(model_dir)
+    path = f"{model_dir.rstrip('/')}/{checkpoints.RUN_CONFIG}"
+    try:
+        return config_lib.validate(config_lib.from_dict(settings), models.names(),
+                                   sources.names())
+    except (ConfigError, TypeError, ValueError) as err:
+        problem = str(err).split(';')[0][:200] if isinstance(err, ConfigError) else (
+            f"a value of the wrong type ({type(err).__name__}: {str(err)[:120]})")
+        raise checkpoints.CheckpointError(
+            f"{path} holds a setting no run can have: {problem.replace('--', '')}; "
+            f"restore the file from a backup, or train the run again") from err
 
 
 def dataset_spec(config: Config) -> sources.DatasetSpec:

@@ -79,7 +79,7 @@ def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True,
     if is_chief:  # atomic: other workers read it
         # What a killed writer left half-written (a ckpt-N_temp, a file's .tmp-...):
         # never a complete file. Safe: this process holds the directory (locks.py).
-        removed = files.remove_stale_temporaries(model_dir)
+        removed = files.remove_stale_temporaries(model_dir, written_by_a_run)
         if removed:
             logging.info("removed %d temporary file(s) a killed run left in %s: %s",
                          len(removed), model_dir, ", ".join(sorted(removed)))
@@ -89,6 +89,13 @@ def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True,
         history.append({"start": len(history) + 1, **(provenance or {}),
                         "changed": {key: [before, now] for key, before, now in changes}})
         files.write_json(os.path.join(model_dir, RUN_HISTORY), history)
+
+
+def written_by_a_run(name: str) -> bool:
+    """Whether a run's commands write files of this name in its directory (their
+    temporaries, `<name>.tmp-<hex>`, are the run's): its records (.json), weights
+    (.weights.h5), figures (.png) and lock. A user's `notes.tmp-<hex>` is not."""
+    return name == "writer.lock" or name.endswith((".json", ".weights.h5", ".png"))
 
 
 def comparable_settings(run_config: dict) -> dict:

@@ -307,6 +307,9 @@ def _check_positive(name: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"--{name} must be {bound}, got {value}")
 
 
+MAX_IMAGE_SIZE = 4096  # a side; larger is a typo (one such image is 200 MB of floats)
+
+
 def validate(config: Config, model_names, dataset_names) -> Config:
     """Cheap checks done before any heavy work. Raises ConfigError. (That the batch
     divides by the replicas is checked once the strategy exists: build.Plan.)"""
@@ -336,6 +339,9 @@ def validate(config: Config, model_names, dataset_names) -> Config:
                  "checkpoint_every", "shuffle_buffer", "image_size", "clip_grad_norm",
                  "mixup_alpha", "cutmix_alpha", "lookahead_every", "sam_rho"):
         _check_positive(name, getattr(config, name), allow_zero=True)
+    if config.image_size > MAX_IMAGE_SIZE:
+        raise ConfigError(f"--image_size={config.image_size} is beyond {MAX_IMAGE_SIZE} "
+                          f"pixels a side; choose a smaller size (0: the dataset's own)")
     if config.epochs == 0 and config.train_steps == 0:
         raise ConfigError("nothing to train: set --epochs or --train_steps above 0")
     if not 0 <= config.ema_decay < 1:

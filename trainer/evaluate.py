@@ -28,7 +28,7 @@ import tensorflow as tf  # noqa: E402
 
 from data import files  # noqa: E402
 from trainer import averaging, build, checkpoints, distributed, evaluation  # noqa: E402
-from trainer import config as config_lib, inputs, locks, run_flags  # noqa: E402
+from trainer import inputs, locks, run_flags  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 from trainer.settings import message_of  # noqa: E402
 from trainer.output import progress as progress_lib, summaries  # noqa: E402
@@ -62,7 +62,7 @@ class Evaluator:
     builds them); evaluate(path) per checkpoint."""
 
     def __init__(self, model_dir: str, data_dir: str | None = None):
-        config = config_lib.from_dict(checkpoints.read_run_config(model_dir))
+        config = build.config_of_run(model_dir)
         self.config = config = config.replace(data_dir=data_dir or config.data_dir)
         runtime = strategy_lib.create("one_device")  # the evaluator's own device
         self.strategy = strategy = runtime.strategy

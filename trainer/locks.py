@@ -111,6 +111,20 @@ def _stale(record: dict, path: str) -> bool:
     return lease_over  # (a record without the start, or no /proc: the lease)
 
 
+def writer_record() -> dict:
+    """Who this process is (host, pid, its start), for a file that a later process
+    asks `writer_gone` about."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "started": process_start(pid),
+            "renewed": time.time()}
+
+
+def writer_gone(record: dict) -> bool:
+    """Whether the process of a `writer_record` has ended (on another host: after
+    LEASE_SECONDS), as a stale lock is judged."""
+    return _stale(record, "")
+
+
 def _describe(record: dict) -> str:
     since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(record.get("since", 0)))
     return (f"{record.get('command', 'a process')} (host {record.get('host')}, pid "
@@ -171,15 +185,16 @@ def _create(path: str, record: dict) -> bool:
     text = json.dumps(record, indent=2)
     if "://" not in path:  # a local disk: the whole record, linked in exclusively
         tmp = files.temporary_name(path)
-        with tf.io.gfile.GFile(tmp, "w") as f:
-            f.write(text)
         try:
+            with tf.io.gfile.GFile(tmp, "w") as f:
+                f.write(text)
             os.link(tmp, path)  # fails if the lock exists: never two holders
             return True
         except FileExistsError:
             return False
         finally:
-            tf.io.gfile.remove(tmp)
+            if tf.io.gfile.exists(tmp):  # also when the disk was full
+                tf.io.gfile.remove(tmp)
     if tf.io.gfile.exists(path):
         return False
     files.write_atomically(path, text)
@@ -205,9 +220,10 @@ def acquire(directory: str, command: str) -> Lock:
         try:
             if _create(path, record):
                 return Lock(path, record, made_directory)
-        except (files.WriteError, OSError) as err:
+        except (files.WriteError, OSError, tf.errors.OpError) as err:
             raise CheckpointError(f"cannot write {path} ({files.reason_of(err)}); "
-                                  f"choose a writable directory") from err
+                                  f"free space there or choose another directory"
+                                  ) from err
         holder = _read(path)
         if holder is None:
             continue  # released meanwhile: try again

@@ -8,10 +8,13 @@ pictures at each evaluation (classification: `predictions`, a grid of test image
 with predicted and true labels, and `confusion_matrix`). Tags are the history keys
 without their `train_` or `test_` prefix.
 """
+import contextlib
 import os
+from typing import Iterator
 
 import tensorflow as tf
 
+from data import files
 from trainer.output import figures
 
 _NOT_SCALARS = ("step", "epoch", "train_seconds", "wall_seconds", "test_examples")
@@ -33,8 +36,22 @@ class Writer:
     """The run's summaries; a no-op on every worker but the chief."""
 
     def __init__(self, model_dir: str, enabled: bool = True):
-        self._writers = ({name: tf.summary.create_file_writer(os.path.join(model_dir, name))
-                          for name in ("train", "eval")} if enabled else {})
+        self._model_dir = model_dir
+        with self._or_write_error():
+            self._writers = ({name: tf.summary.create_file_writer(
+                os.path.join(model_dir, name)) for name in ("train", "eval")}
+                if enabled else {})
+
+    @contextlib.contextmanager
+    def _or_write_error(self) -> Iterator[None]:
+        """A full disk or a lost permission: files.WriteError, one line (exit 5)."""
+        try:
+            yield
+        except tf.errors.OpError as err:
+            raise files.WriteError(
+                f"could not write the TensorBoard summaries in {self._model_dir} "
+                f"({files.reason_of(err)}); free space there or choose another "
+                f"--model_dir") from err
 
     def train(self, record: dict) -> None:
         self._scalars("train", record, _tags(record, "train_"))
@@ -48,20 +65,21 @@ class Writer:
         self._scalars("eval", record, _tags(record, "test_"))
         if not self._writers:
             return
-        with self._writers["eval"].as_default(step=record["step"]):
+        with self._or_write_error(), self._writers["eval"].as_default(step=record["step"]):
             for tag, figure in (pictures or {}).items():
                 tf.summary.image(tag, _png_image(figure))
-        self._writers["eval"].flush()
+            self._writers["eval"].flush()
 
     def _scalars(self, name: str, record: dict, tags: dict[str, str]) -> None:
         if not self._writers:
             return
-        with self._writers[name].as_default(step=record["step"]):
+        with self._or_write_error(), self._writers[name].as_default(step=record["step"]):
             for key, tag in tags.items():
                 if key in record:
                     tf.summary.scalar(tag, record[key])
-        self._writers[name].flush()
+            self._writers[name].flush()
 
     def close(self) -> None:
-        for writer in self._writers.values():
-            writer.close()
+        with self._or_write_error():
+            for writer in self._writers.values():
+                writer.close()

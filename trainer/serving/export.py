@@ -11,18 +11,21 @@ run's test-time augmentation; autoencoder: `reconstruction` uint8 [N, H, W, 3]):
 Both resize to the model's size and normalize exactly as evaluation does, so
 clients send plain pixels. Load with `tf.saved_model.load(OUT)`.
 """
+import os
+import re
 import sys
+import time
 
 from trainer import cli  # noqa: E402
 
 cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 
-from absl import flags  # noqa: E402
+from absl import flags, logging  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from data import augment, files, sources  # noqa: E402
-from trainer import checkpoints, inputs  # noqa: E402
+from trainer import checkpoints, inputs, locks  # noqa: E402
 from trainer.serving import inference  # noqa: E402
 from trainer.settings import message_of  # noqa: E402
 
@@ -80,10 +83,38 @@ def export(model_dir: str, export_dir: str) -> str:
         trained.model, serving_functions(trained) if trained.task.serves_images else {})
     for name, (fn, signature) in functions.items():
         archive.add_endpoint(name, fn, input_signature=signature)
-    # Whole or not at all: written beside export_dir, then renamed to it.
+    # Whole or not at all: written beside export_dir, then renamed to it. The
+    # temporary names its writer, so that a later export removes it if killed.
+    _remove_killed_exports(export_dir)
     with files.written_whole(export_dir) as tmp:
+        tf.io.gfile.makedirs(tmp)
+        files.write_json(os.path.join(tmp, _WRITER_FILE), locks.writer_record())
         archive.write_out(tmp, verbose=False)
+        tf.io.gfile.remove(os.path.join(tmp, _WRITER_FILE))
     return export_dir
+
+
+_WRITER_FILE = "export_writer.json"  # in an export's temporary, until it is renamed
+
+
+def _remove_killed_exports(export_dir: str) -> None:
+    """Removes the temporaries beside export_dir of exports to it that were killed
+    (kill -9, a lost machine) before they finished: those whose writer is gone, or
+    without a writer record after a minute (killed as it began)."""
+    parent, name = os.path.split(export_dir.rstrip("/"))
+    temporary = re.compile(re.escape(name) + r"\.tmp-[0-9a-f]{32}$")
+    for entry in tf.io.gfile.listdir(parent or "."):
+        path = os.path.join(parent, entry.rstrip("/"))
+        if not temporary.match(entry.rstrip("/")) or os.path.islink(path):
+            continue
+        writer = os.path.join(path, _WRITER_FILE)
+        try:
+            gone = locks.writer_gone(files.read_json(writer))
+        except files.BadFileError:  # none (yet), or cut short
+            gone = time.time() - tf.io.gfile.stat(path).mtime_nsec / 1e9 > 60
+        if gone:
+            tf.io.gfile.rmtree(path)
+            logging.warning("removed %s, left by an export that did not finish", path)
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from data import files, sources
-from trainer import build, checkpoints, config as config_lib, inputs
+from trainer import build, checkpoints, inputs
 
 WEIGHTS_FILE, BEST_WEIGHTS_FILE = checkpoints.WEIGHTS_FILE, checkpoints.BEST_WEIGHTS_FILE
 
@@ -48,7 +48,7 @@ class TrainedModel:
             if not tf.io.gfile.exists(path):
                 raise InferenceError(f"{path} not found: --model_dir must be the "
                                      f"directory of a finished training run")
-        self.config = config_lib.from_dict(checkpoints.read_run_config(model_dir))
+        self.config = build.config_of_run(model_dir)
         self.spec = _dataset_spec(self.config.dataset, model_dir)
         self.image_size = inputs.image_shape(self.config, self.spec)[0]
         run = build.build_run(self.config, self.spec, None, tf.distribute.get_strategy(),
