@@ -57,14 +57,15 @@ def test_two_workers_agree_with_each_other_and_with_one_worker(tmp_path, run):
                                            "metrics.json"))
 
 
-@pytest.mark.long(83)  # seconds, with -n 2
+@pytest.mark.long(105)  # seconds, with -n 2
 def test_a_dead_worker_stops_the_others_and_the_rerun_ends_bitwise_like_no_kill(
         tmp_path, generated_records):
     """The short version of `trainer.tools.kill_resume` (BUILD.md runs it on real
-    CIFAR-10 with five kills): a kill at a random moment of a random worker. The
-    launcher stops the other worker (exit 4, one error line); the rerun resumes and
-    ends with the uninterrupted run's weights. The data streams from 8 files
-    (--cache=none), each worker reading its own 4."""
+    CIFAR-10 with five kills): a kill -9 at a random moment of a random worker. The
+    launcher stops the other worker (exit 4, one error line). Then Ctrl-C's SIGINT
+    to the launcher or a worker: every worker saves the same step and exits 75. The
+    last rerun resumes and ends with the uninterrupted run's weights. The data
+    streams from 8 files (--cache=none), each worker reading its own 4."""
     from trainer.tools import kill_resume
     args = ["--model=cifar_cnn", "--model_size=tiny", f"--dataset={generated_records}",
             "--cache=none",
@@ -72,10 +73,15 @@ def test_a_dead_worker_stops_the_others_and_the_rerun_ends_bitwise_like_no_kill(
             "--checkpoint_every=10", "--eval_every=48", "--deterministic",
             "--shuffle_buffer=1024", "--mixup_alpha=0.2", "--cutmix_alpha=1.0"]
     said = []
-    kills, reference, killed = kill_resume.run(2, 1, str(tmp_path), args, max_wait=0.5,
-                                               seed=None, say=said.append)
-    assert len(kills) == 1, said
-    kill = kills[0]
+    kills, reference, killed = kill_resume.run(2, 2, str(tmp_path), args, max_wait=0.5,
+                                               seed=None, say=said.append,
+                                               signals=("KILL", "INT"))
+    assert len(kills) == 2, said
+    kill, stop = kills
+    log = (tmp_path / "logs" / "killed_1.log").read_text()
+    saved = re.search(r"stopped: stopped by SIGINT: saved a checkpoint at step (\d+)", log)
+    assert stop.launcher_exit == 75 and saved, (said, log[-3000:])
+    assert int(saved.group(1)) == stop.checkpoint_after >= stop.checkpoint_at_kill, said
     assert kill.checkpoint_at_kill > kill.resumed_from_step
     # The others were stopped, soon, saying which worker died (or, if worker 0 saw
     # the lost peer first, saying that), and no worker process is left.

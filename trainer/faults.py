@@ -23,10 +23,12 @@ from typing import Iterator
 from absl import logging
 import tensorflow as tf
 
+from trainer import cli
+
 # EX_TEMPFAIL: "try again", the run resumes where it stopped (after SIGTERM, SIGINT
-# and SIGHUP alike: a checkpoint of the current step was saved).
-STOPPED_EXIT_CODE = 75
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# and SIGHUP alike: a checkpoint of the current step was saved). Defined in cli,
+# which handles them while TensorFlow loads (before this module is imported).
+STOPPED_EXIT_CODE, STOP_SIGNALS = cli.STOPPED_EXIT_CODE, cli.STOP_SIGNALS
 
 
 # What a surviving worker sees when a peer dies mid-collective.

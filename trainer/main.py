@@ -20,6 +20,8 @@ import sys
 
 from trainer import cli
 
+if __name__ == "__main__":  # a stop signal while TensorFlow loads: one line, 75
+    cli.stop_at_once_on_signals()
 cli.set_deterministic_kernels(sys.argv)  # before TensorFlow starts
 cli.set_native_log_level(sys.argv)
 

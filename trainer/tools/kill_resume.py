@@ -1,16 +1,19 @@
-"""Kill a random worker of a multi-worker run again and again; the resumed run must
-end with bitwise the same weights as an uninterrupted one.
+"""Kill or stop a multi-worker run again and again; the resumed run must end with
+bitwise the same weights as an uninterrupted one.
 
-    python -m trainer.tools.kill_resume --workers=2 --kills=5 --work_dir=/tmp/kr -- \\
-        --model=cifar_cnn --dataset=cifar10 --deterministic --epochs=4 --checkpoint_every=10
+    python -m trainer.tools.kill_resume --workers=2 --kills=5 --work_dir=/tmp/kr \\
+        --signals=KILL,INT -- --model=cifar_cnn --dataset=cifar10 --deterministic \\
+        --epochs=4 --checkpoint_every=10
 
 First runs `trainer.tools.launch --workers=N -- FLAGS` uninterrupted into
 WORK_DIR/reference. Then into WORK_DIR/killed, --kills times: start the same launch
 command, wait until it has written a new checkpoint, wait a random further 0 to
---max_wait seconds, SIGKILL a random worker (the launcher then stops the others);
-then once more to the end. Prints every kill (time, worker, the step it resumed
-from), both runs' weights_sha256 and what temporaries or locks the killed run left:
-SAME and none (exit 0), else exit 1. Each
+--max_wait seconds, and send the next of --signals in turn: SIGKILL to a random worker
+(the launcher then stops the others, exit 4), or a stop signal (INT: Ctrl-C, TERM,
+HUP) to the launcher or a random worker (every worker saves the same step, exit
+75); then once more to the end. Prints every kill (time, signal, whom, the step it
+resumed from), both runs' weights_sha256 and what temporaries or locks the killed
+run left: SAME and none (exit 0), else exit 1. Each
 launch's output is kept in WORK_DIR/logs. Use --deterministic: without it the
 weights differ from run to run anyway.
 """
@@ -43,19 +46,30 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                     "the two runs and their logs.")
     cli.define_flag(flag_values, flags.DEFINE_float, "max_wait", 20.0, "Longest random wait "
                     "after a new checkpoint before a kill, in seconds.")
+    cli.define_flag(flag_values, flags.DEFINE_list, "signals", ["KILL"], "Signals to "
+                    "send, in turn, one per kill: KILL (to a random worker), INT, TERM, "
+                    "HUP (to the launcher or a random worker).")
     cli.define_flag(flag_values, flags.DEFINE_integer, "seed", None, "Seed of the kill "
                     "schedule (default: random; printed).")
     flags.mark_flag_as_required("work_dir", flag_values)
 
 
+SIGNALS = {"KILL": signal.SIGKILL, "INT": signal.SIGINT, "TERM": signal.SIGTERM,
+           "HUP": signal.SIGHUP}
+# The launcher's status after each: a lost worker; stopped, a checkpoint saved.
+EXPECTED_STATUS = {"KILL": 4, "INT": 75, "TERM": 75, "HUP": 75}
+
+
 @dataclasses.dataclass
 class Kill:
     seconds_into_segment: float
-    worker: int
+    signal: str              # KILL, INT, TERM or HUP
+    worker: int              # who got it: a worker, or -1 for the launcher
     resumed_from_step: int   # where the segment that was killed had started
-    checkpoint_at_kill: int  # the newest checkpoint when the worker died
+    checkpoint_at_kill: int  # the newest checkpoint when the signal was sent
     launcher_exit: int       # the launcher's exit status after the kill (4: a worker died)
     stopped_after: float     # seconds from the kill until the launcher had ended
+    checkpoint_after: int    # the newest checkpoint then (a stop signal saves one)
 
 
 def _latest_step(model_dir: str) -> int:
@@ -106,8 +120,10 @@ def _sha(model_dir: str) -> str:
 
 
 def run(workers: int, kills: int, work_dir: str, trainer_args: list[str],
-        max_wait: float, seed: int, say=print) -> tuple[list[Kill], str, str]:
-    """Returns (the kills, reference sha, killed run's sha)."""
+        max_wait: float, seed: int, say=print, signals: tuple[str, ...] = ("KILL",)
+        ) -> tuple[list[Kill], str, str]:
+    """Returns (the kills, reference sha, killed run's sha). RuntimeError if the
+    launcher's status after a kill is not the one expected for its signal."""
     rng = random.Random(seed)
     logs = os.path.join(work_dir, "logs")
     tf.io.gfile.makedirs(logs)
@@ -133,17 +149,23 @@ def run(workers: int, kills: int, work_dir: str, trainer_args: list[str],
         if launch.proc.poll() is not None:
             raise RuntimeError(f"the run ended before kill {segment + 1}; train longer "
                                f"or lower --max_wait (see {log_path})")
-        worker = rng.randrange(workers)
-        os.kill(pids[worker], signal.SIGKILL)
+        name = signals[segment % len(signals)]
+        worker = rng.randrange(workers) if name == "KILL" else rng.randrange(-1, workers)
+        os.kill(launch.proc.pid if worker < 0 else pids[worker], SIGNALS[name])
         killed_at, checkpoint_at_kill = time.time(), _latest_step(killed)
         status = launch.wait(timeout=120)  # the launcher stops the others
-        kill = Kill(killed_at - started, worker, start_step, checkpoint_at_kill, status,
-                    time.time() - killed_at)
+        kill = Kill(killed_at - started, name, worker, start_step, checkpoint_at_kill,
+                    status, time.time() - killed_at, _latest_step(killed))
         done.append(kill)
-        say(f"kill {segment + 1}: worker {worker} after {kill.seconds_into_segment:.1f} s "
-            f"(segment resumed from step {start_step}; newest checkpoint then: step "
-            f"{kill.checkpoint_at_kill}); the launcher stopped the others and exited "
-            f"{kill.launcher_exit} {kill.stopped_after:.1f} s later")
+        whom = "the launcher" if worker < 0 else f"worker {worker}"
+        say(f"kill {segment + 1}: SIG{name} to {whom} after "
+            f"{kill.seconds_into_segment:.1f} s (segment resumed from step {start_step}; "
+            f"newest checkpoint then: step {checkpoint_at_kill}); the launcher exited "
+            f"{status} {kill.stopped_after:.1f} s later, the newest checkpoint then: step "
+            f"{kill.checkpoint_after}")
+        if status != EXPECTED_STATUS[name]:
+            raise RuntimeError(f"the launcher exited {status} after SIG{name}, not "
+                               f"{EXPECTED_STATUS[name]}; see {log_path}")
     return done, _sha(reference), _sha(killed)
 
 
@@ -153,11 +175,19 @@ def main(argv: list[str]) -> None:
         print(f"error: --work_dir={FLAGS.work_dir} is not empty; choose a new directory",
               file=sys.stderr)
         sys.exit(2)
+    signals = [name.upper().removeprefix("SIG") for name in FLAGS.signals]
+    unknown = [name for name in signals if name not in SIGNALS]
+    if unknown or not signals:
+        print(f"error: --signals={','.join(FLAGS.signals)}: {', '.join(unknown) or 'none'}"
+              f" is not one of {', '.join(SIGNALS)}; e.g. --signals=KILL,INT",
+              file=sys.stderr)
+        sys.exit(2)
     seed = FLAGS.seed if FLAGS.seed is not None else random.randrange(2**31)
     print(f"kill schedule seed {seed}")
     try:
         _, reference, killed = run(FLAGS.workers, FLAGS.kills, FLAGS.work_dir,
-                                   trainer_args, FLAGS.max_wait, seed)
+                                   trainer_args, FLAGS.max_wait, seed,
+                                   signals=tuple(signals))
     except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -7,8 +7,10 @@ each with its TF_CONFIG (worker 0 is the chief), prefixes every output line with
 its worker, and watches every worker: when one exits with an error (any index),
 it stops the others within GRACE_SECONDS (so none waits forever in a collective)
 and exits with that status if it is one of trainer.main's (2 bad settings, 3
-diverged, 5 a write failed, 75 preempted), else 4 (a worker died: killed, or
-crashed) with one line naming the worker. On a real cluster, set
+diverged, 5 a write failed, 75 stopped), else 4 (a worker died: killed, or
+crashed) with one line naming the worker. A stop signal to the launcher (SIGTERM,
+Ctrl-C's SIGINT, SIGHUP) is passed on to every worker once: they save a checkpoint
+of the same step and exit 75 (again: at once). On a real cluster, set
 TF_CONFIG on each machine yourself and run trainer.main there.
 """
 import json
@@ -55,7 +57,14 @@ def _stream(index: int, proc: subprocess.Popen) -> None:
         sys.stdout.flush()
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[subprocess.Popen], stopping_anyway: bool = False) -> None:
+    """SIGTERM, then SIGKILL after GRACE_SECONDS. stopping_anyway: the workers are
+    ending by themselves (a stop signal reached each, and they save the same step):
+    first GRACE_SECONDS to do so, since another signal would stop them at once."""
+    if stopping_anyway:
+        deadline = time.time() + GRACE_SECONDS
+        while time.time() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.1)
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -78,9 +87,11 @@ def launch(workers: int, trainer_args: list[str], program: list[str] | None = No
     procs = []
     for index in range(workers):
         env = dict(os.environ, TF_CONFIG=tf_config(ports, index))
+        # A session of its own: a terminal's Ctrl-C (or its closing) reaches the
+        # launcher only, which passes it on once (twice would be "stop at once").
         procs.append(subprocess.Popen(
             [*program, *trainer_args], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, bufsize=1))
+            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True))
     for index, proc in enumerate(procs):
         print(f"[launch] worker {index}: pid {proc.pid}, 127.0.0.1:{ports[index]}",
               file=sys.stderr, flush=True)
@@ -88,20 +99,17 @@ def launch(workers: int, trainer_args: list[str], program: list[str] | None = No
                for i, p in enumerate(procs)]
     for thread in threads:
         thread.start()
-    # SIGTERM to the launcher (a preemption) reaches every worker.
-    previous = signal.signal(signal.SIGTERM, lambda *_: [
-        p.send_signal(signal.SIGTERM) for p in procs if p.poll() is None])
-    try:
-        while True:
-            states = [p.poll() for p in procs]  # every worker, each time
-            failed = [(i, code) for i, code in enumerate(states) if code not in (None, 0)]
-            if failed or all(code is not None for code in states):
-                break
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        _stop(procs)
-        signal.signal(signal.SIGTERM, previous)
-        return 130
+    # A stop signal to the launcher (a preemption's SIGTERM, Ctrl-C, a closed
+    # terminal) reaches every worker: each saves the same step and exits 75.
+    previous = {signum: signal.signal(signum, lambda signum, _: [
+        p.send_signal(signum) for p in procs if p.poll() is None])
+        for signum in cli.STOP_SIGNALS}
+    while True:
+        states = [p.poll() for p in procs]  # every worker, each time
+        failed = [(i, code) for i, code in enumerate(states) if code not in (None, 0)]
+        if failed or all(code is not None for code in states):
+            break
+        time.sleep(0.2)
     status = 0
     if failed:
         index, code = failed[0]
@@ -109,7 +117,7 @@ def launch(workers: int, trainer_args: list[str], program: list[str] | None = No
         if code in PASSED_ON:
             print(f"[launch] worker {index} exited with status {code}; stopping the "
                   f"others", file=sys.stderr, flush=True)
-        _stop(procs)
+        _stop(procs, stopping_anyway=code == cli.STOPPED_EXIT_CODE)
         if code not in PASSED_ON:
             how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
             print(f"error: worker {index} died ({how}); stopped the others: rerun the "
@@ -117,7 +125,8 @@ def launch(workers: int, trainer_args: list[str], program: list[str] | None = No
                   flush=True)
     for thread in threads:
         thread.join(timeout=5)
-    signal.signal(signal.SIGTERM, previous)
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
     return status
 
 
