@@ -62,8 +62,10 @@ def test_a_dead_worker_stops_the_others_and_the_rerun_ends_bitwise_like_no_kill(
         tmp_path, generated_records):
     """The short version of `trainer.tools.kill_resume` (BUILD.md runs it on real
     CIFAR-10 with five kills): a kill -9 at a random moment of a random worker. The
-    launcher stops the other worker (exit 4, one error line). Then Ctrl-C's SIGINT
-    to the launcher or a worker: every worker saves the same step and exits 75. The
+    launcher stops the other worker (exit 4, one error line). Then SIGTERM (a
+    preemption) to the launcher or a worker: every worker saves the same step and
+    exits 75 (a worker's SIGTERM was ignored until faults.StopSignals took the
+    handler back from the coordination service). The
     last rerun resumes and ends with the uninterrupted run's weights. The data
     streams from 8 files (--cache=none), each worker reading its own 4."""
     from trainer.tools import kill_resume
@@ -75,11 +77,11 @@ def test_a_dead_worker_stops_the_others_and_the_rerun_ends_bitwise_like_no_kill(
     said = []
     kills, reference, killed = kill_resume.run(2, 2, str(tmp_path), args, max_wait=0.5,
                                                seed=None, say=said.append,
-                                               signals=("KILL", "INT"))
+                                               signals=("KILL", "TERM"))
     assert len(kills) == 2, said
     kill, stop = kills
     log = (tmp_path / "logs" / "killed_1.log").read_text()
-    saved = re.search(r"stopped: stopped by SIGINT: saved a checkpoint at step (\d+)", log)
+    saved = re.search(r"stopped: stopped by SIGTERM: saved a checkpoint at step (\d+)", log)
     assert stop.launcher_exit == 75 and saved, (said, log[-3000:])
     assert int(saved.group(1)) == stop.checkpoint_after >= stop.checkpoint_at_kill, said
     assert kill.checkpoint_at_kill > kill.resumed_from_step

@@ -107,6 +107,12 @@ class StopSignals:
         installed_here = not self._previous
         if installed_here:
             self.__enter__()
+        elif threading.current_thread() is threading.main_thread():
+            # Again: a multi-worker strategy's coordination service installs its own
+            # SIGTERM handler (in C++, unseen by signal.getsignal) as it starts, and
+            # SIGTERM to a worker was then ignored (the run trained on to its end).
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, self._handle)
         self.training = True
         try:
             yield self

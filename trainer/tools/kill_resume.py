@@ -96,6 +96,7 @@ class _Launch:
         with tf.io.gfile.GFile(self.log_path, "w") as log:
             for line in self.proc.stdout:
                 log.write(line)
+                log.flush()  # (whole if this tool stops on an error)
                 match = re.match(r"\[launch\] worker (\d+): pid (\d+)", line)
                 if match:
                     self.pids[int(match.group(1))] = int(match.group(2))
@@ -153,7 +154,8 @@ def run(workers: int, kills: int, work_dir: str, trainer_args: list[str],
         worker = rng.randrange(workers) if name == "KILL" else rng.randrange(-1, workers)
         os.kill(launch.proc.pid if worker < 0 else pids[worker], SIGNALS[name])
         killed_at, checkpoint_at_kill = time.time(), _latest_step(killed)
-        status = launch.wait(timeout=120)  # the launcher stops the others
+        # The launcher stops the others; a stop signal waits for the workers' loop.
+        status = launch.wait(timeout=300)
         kill = Kill(killed_at - started, name, worker, start_step, checkpoint_at_kill,
                     status, time.time() - killed_at, _latest_step(killed))
         done.append(kill)
