@@ -191,7 +191,9 @@ def test_a_stop_signal_at_any_moment_of_start_up_is_one_line_and_75(tmp_path):
     (TensorFlow loading, flags, building, tracing) and once after the first steps,
     two programs at a time: each exits 75 with one `stopped:` line and no
     traceback, never trains on (issue 31: 5 of 12 swallowed), leaves no lock or
-    temporary, and has a checkpoint only of the step its line names."""
+    temporary, and has a checkpoint only of the step its line names. (At 0.1 s a
+    busy machine may not have reached our handlers yet: SIGTERM's default then,
+    with nothing written.)"""
     import concurrent.futures
     import re
     from test_nothing_lost import _leftovers
@@ -216,6 +218,11 @@ def test_a_stop_signal_at_any_moment_of_start_up_is_one_line_and_75(tmp_path):
     for index, (status, output, model_dir) in enumerate(results):
         name = signal.Signals(signals[index % 3]).name
         where = f"moment {moments[index]}, {name}: {output[-1500:]}"
+        if moments[index] == 0.1 and status == -signals[index % 3]:
+            # Python had not reached our first line (cli's handlers; a busy machine):
+            # the signal's default action, before anything was written.
+            assert not os.path.exists(model_dir), where
+            continue
         lines = [line for line in output.splitlines() if line.startswith("stopped:")]
         assert status == faults.STOPPED_EXIT_CODE and len(lines) == 1, where
         assert name in lines[0] and "Traceback" not in output, where
@@ -225,7 +232,7 @@ def test_a_stop_signal_at_any_moment_of_start_up_is_one_line_and_75(tmp_path):
                        tf.io.gfile.glob(f"{model_dir}/ckpt-*.index"))
         assert steps == ([int(saved.group(1))] if saved else []), where
         in_training += bool(saved)
-    assert "during start-up" in " ".join(results[0][1].splitlines()[-1:])
+    assert "during start-up" in " ".join(results[1][1].splitlines()[-1:])
     assert in_training >= 1  # (the last moment at least)
 
 
