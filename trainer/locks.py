@@ -212,10 +212,8 @@ def acquire(directory: str, command: str) -> Lock:
         raise CheckpointError(f"cannot create {directory}: {files.reason_of(err)}; "
                               f"choose a writable directory") from err
     path = os.path.join(directory, LOCK_FILE)
-    pid = os.getpid()
-    record = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": pid,
-              "started": process_start(pid), "command": command,
-              "since": time.time(), "renewed": time.time()}
+    record = {**writer_record(), "token": uuid.uuid4().hex, "command": command,
+              "since": time.time()}
     for _ in range(3):
         try:
             if _create(path, record):

@@ -12,7 +12,6 @@ Both resize to the model's size and normalize exactly as evaluation does, so
 clients send plain pixels. Load with `tf.saved_model.load(OUT)`.
 """
 import os
-import re
 import sys
 import time
 
@@ -102,10 +101,10 @@ def _remove_killed_exports(export_dir: str) -> None:
     (kill -9, a lost machine) before they finished: those whose writer is gone, or
     without a writer record after a minute (killed as it began)."""
     parent, name = os.path.split(export_dir.rstrip("/"))
-    temporary = re.compile(re.escape(name) + r"\.tmp-[0-9a-f]{32}$")
-    for entry in tf.io.gfile.listdir(parent or "."):
-        path = os.path.join(parent, entry.rstrip("/"))
-        if not temporary.match(entry.rstrip("/")) or os.path.islink(path):
+    for entry in (e.rstrip("/") for e in tf.io.gfile.listdir(parent or ".")):
+        path = os.path.join(parent, entry)
+        if (not entry.startswith(f"{name}.tmp-") or not files.is_temporary(entry)
+                or os.path.islink(path)):
             continue
         writer = os.path.join(path, _WRITER_FILE)
         try:
