@@ -227,8 +227,9 @@ def read_run_config(model_dir: str, flag: str = "--model_dir") -> dict:
 
 def finished_run(model_dir: str, total_steps: int) -> dict | None:
     """The final metrics of a run in model_dir that has trained `total_steps` steps
-    or more and written its final outputs; None if there is none (or it is not
-    finished): a rerun of a finished run changes nothing."""
+    or more (or was stopped early by a callback) and written its final outputs;
+    None if there is none (or it is not finished): a rerun of a finished run
+    changes nothing."""
     path = os.path.join(model_dir, METRICS_FILE)
     if not (tf.io.gfile.exists(path)
             and tf.io.gfile.exists(os.path.join(model_dir, WEIGHTS_FILE))):
@@ -237,7 +238,8 @@ def finished_run(model_dir: str, total_steps: int) -> dict | None:
         metrics = files.read_json(path, dict)
     except files.BadFileError:
         return None
-    done = metrics.get("status") == "done" and int(metrics.get("steps", -1)) >= total_steps
+    done = metrics.get("status") == "done" and (int(metrics.get("steps", -1)) >= total_steps
+                                                or bool(metrics.get("stopped_early")))
     return metrics if done else None
 
 
@@ -287,12 +289,29 @@ def save_weights(model, path: str) -> None:
     files.write_atomically(path, weights_h5_bytes(model))
 
 
-def training_checkpoint(state) -> tf.train.Checkpoint:
+def training_checkpoint(state, callbacks=None) -> tf.train.Checkpoint:
     """Everything needed to continue a run exactly: the whole TrainState
     (trainer/state.py): every model and its random-number generators' state
     (dropout), every optimizer's state, the extras, and the run's one step counter
-    (also the data position, see data/pipeline.py)."""
-    return tf.train.Checkpoint(**state.trackables())
+    (also the data position, see data/pipeline.py); to save, also the run's
+    callbacks' state (trainer/callbacks.py; restored by restore_callbacks, so a
+    checkpoint from before they had any still restores the state)."""
+    return tf.train.Checkpoint(**state.trackables(),
+                               **({CALLBACKS: callbacks} if callbacks is not None else {}))
+
+
+CALLBACKS = "callbacks"
+
+
+def restore_callbacks(callbacks, path: str) -> bool:
+    """The callbacks' state saved in checkpoint `path` (trainer/callbacks.py); False
+    with a warning if it holds none (saved before they had any: they start afresh)."""
+    if not any(name.startswith(f"{CALLBACKS}/") for name, _ in tf.train.list_variables(path)):
+        logging.warning("checkpoint %s holds no callback state; the callbacks (early "
+                        "stopping, ...) start afresh", path)
+        return False
+    tf.train.Checkpoint(**{CALLBACKS: callbacks}).restore(path).expect_partial()
+    return True
 
 
 def make_manager(model_dir: str, checkpoint: tf.train.Checkpoint, keep: int,

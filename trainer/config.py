@@ -15,7 +15,7 @@ from typing import Any
 
 from data import augment as augment_lib, sources
 import models
-from trainer import optimizers, recipes, schedules, tasks
+from trainer import callbacks as callbacks_lib, optimizers, recipes, schedules, tasks
 from trainer.settings import ConfigError, non_finite, setting as _  # noqa: F401 (re-exported)
 
 STRATEGIES = ("auto", "tpu", "mirrored", "multi_worker", "one_device")
@@ -69,6 +69,15 @@ class Config:
     model_dir: str = _("", "Checkpoints, run_config.json, model.weights.h5, metrics.json "
                        "(default: runs/<model>_<dataset>). A run on a directory with a "
                        "checkpoint resumes from it.")
+    # --- your own code ---
+    imports: str = _("", "Modules of your own to import first, 'MODULE[,MODULE]' (given "
+                     "as --import): they register models, tasks and callbacks "
+                     "(models.register_keras, @tasks.register, "
+                     "@trainer.callbacks.register). Recorded in the run: evaluate, "
+                     "predict and export on it import them themselves.")
+    callbacks: str = _("", "Registered callbacks to run, 'NAME[,NAME]' (yours, with "
+                       "--import; trainer/callbacks.py). log.csv and early stopping "
+                       "are always there.")
     # --- optimization ---
     batch_size: int = _(1024, "GLOBAL batch size, split evenly across all replicas.")
     eval_batch_size: int = _(0, "GLOBAL batch size of evaluation (0: --batch_size). "
@@ -169,7 +178,15 @@ class Config:
                                   "its own (each change is recorded in its "
                                   "run_history.json; without this, one error line "
                                   "lists them).")
+    early_stop_patience: int = _(0, "Stop when the task's best metric (e.g. test "
+                                 "accuracy) has not improved for this many evaluations "
+                                 "in a row; the run is then finished (0: off).")
+    early_stop_min_delta: float = _(0.0, "What counts as an improvement for "
+                                    "--early_stop_patience: a change beyond this.")
     # --- measuring ---
+    histograms: bool = _(False, "Write histograms of every trained weight and of its "
+                         "gradient (on one training batch) to TensorBoard at every "
+                         "evaluation.")
     measure_peak: bool = _(False, "Measure this device's matmul FLOP/s at start-up (a "
                            "few seconds) and show the step's FLOP/s as a fraction of it.")
     profile_steps: str = _("", "'A,B': write a TensorFlow profiler trace of steps A to B "
@@ -202,7 +219,8 @@ MAY_CHANGE_ON_RESUME = (
     "model_dir", "data_dir", "download_data", "epochs", "train_steps", "log_every",
     "eval_every", "checkpoint_every", "keep_checkpoints", "steps_per_loop",
     "eval_batch_size", "cache", "tpu", "require_tpu", "strategy", "cpu_replicas",
-    "jit_compile", "measure_peak", "profile_steps", "resume_with_changes")
+    "jit_compile", "measure_peak", "profile_steps", "resume_with_changes", "imports",
+    "callbacks", "early_stop_patience", "early_stop_min_delta", "histograms")
 
 FLAG_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.name != "task_settings")
 
@@ -334,7 +352,8 @@ def validate(config: Config, model_names, dataset_names) -> Config:
         problem = non_finite(name, value)  # nan < 0 is False: no range check sees it
         if problem:
             raise ConfigError(problem)
-    for name in ("epochs", "train_steps", "eval_batch_size", "warmup_epochs", "weight_decay",
+    for name in ("early_stop_patience", "early_stop_min_delta",
+                 "epochs", "train_steps", "eval_batch_size", "warmup_epochs", "weight_decay",
                  "sustain_epochs", "min_learning_rate", "log_every", "eval_every",
                  "checkpoint_every", "shuffle_buffer", "image_size", "clip_grad_norm",
                  "mixup_alpha", "cutmix_alpha", "lookahead_every", "sam_rho"):
@@ -362,6 +381,7 @@ def validate(config: Config, model_names, dataset_names) -> Config:
         raise ConfigError(f"--mixup_alpha/--cutmix_alpha mix labels into soft targets; "
                           f"task {config.task} does not train on them (drop the flags)")
     try:
+        callbacks_lib.parse_names(config.callbacks)
         optimizers.parse_options(config.optimizer, config.optimizer_options)
     except ValueError as err:
         raise ConfigError(str(err)) from err

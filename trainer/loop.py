@@ -14,7 +14,8 @@ import keras
 import tensorflow as tf
 
 from data import files
-from trainer import averaging, build, checkpoints, distributed, evaluation, faults, locks
+from trainer import averaging, build, callbacks as callbacks_lib, checkpoints, distributed
+from trainer import evaluation, faults, locks
 from trainer import flops, inputs, provenance, randomness, schedules
 from trainer import strategy as strategy_lib
 from trainer import config as config_lib
@@ -110,9 +111,12 @@ def train_and_evaluate(config: Config, display: IO | None = None,
 
     finished = checkpoints.finished_run(config.model_dir, plan.total_steps)
     if finished is not None:  # a rerun of a finished run changes nothing
-        logging.info("The run in %s is finished (%d steps; its metrics.json and weights "
-                     "are kept as they are); nothing to do. A larger --train_steps or "
-                     "--epochs trains it further", config.model_dir, finished["steps"])
+        logging.info("The run in %s is finished (%d steps%s; its metrics.json and "
+                     "weights are kept as they are); nothing to do. %s", config.model_dir,
+                     finished["steps"], f": {finished['stopped_early']}"
+                     if finished.get("stopped_early") else "",
+                     "Another --model_dir trains anew" if finished.get("stopped_early")
+                     else "A larger --train_steps or --epochs trains it further")
         return finished
 
     # --- Task, state and checkpoint, built under the strategy -------------------------
@@ -125,6 +129,9 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     checkpoints.prepare_model_dir(config.model_dir, config.as_dict(), is_chief, where)
     if is_chief:  # so that predict and export work without the data files
         inference.keep_dataset_description(config.dataset, config.model_dir)
+    # The run's callbacks (trainer/callbacks.py): saved in every checkpoint beside
+    # the state, so their own state resumes with it.
+    run_callbacks = callbacks_lib.Callbacks(callbacks_lib.for_run(config, task))
     with strategy.scope():  # everything the state holds, all of it restored
         checkpoint = checkpoints.training_checkpoint(state)
     progress_lib.log_setup(config, spec, runtime, plan, precision, jit, schedule, state,
@@ -141,10 +148,12 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     start_step = int(state.step.numpy())
     if restored:
         logging.info("Resumed from %s at step %d", restored, start_step)
+        checkpoints.restore_callbacks(run_callbacks, restored)
     if strategy_lib.is_multi_worker(strategy):  # all from the same checkpoint, or none
         checkpoints.check_same_step(strategy, start_step)
-    manager = checkpoints.make_manager(config.model_dir, checkpoint,
-                                       config.keep_checkpoints, is_chief, task_id)
+    manager = checkpoints.make_manager(
+        config.model_dir, checkpoints.training_checkpoint(state, run_callbacks),
+        config.keep_checkpoints, is_chief, task_id)
 
     # --- Input pipelines: the stream resumes at the step ----------------------------
     # In memory (decoded once, before the first step) or streamed from the files.
@@ -194,8 +203,12 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                                      config.batch_size, start_step, bars,
                                      flops_per_image, peak)
     recorder = recorder_lib.Recorder(config.model_dir, is_chief, start_step, task,
-                                     f"{config.model} on {config.dataset}")
+                                     f"{config.model} on {config.dataset}", config)
     wall = progress_lib.Stopwatch()
+    context = callbacks_lib.Context(config, config.model_dir, task, state,
+                                    plan.steps_per_epoch, plan.total_steps, start_step,
+                                    is_chief)
+    run_callbacks.train_begin(context)
 
     def stop_here(at_step: int) -> None:
         """A stop signal (SIGTERM, SIGINT, SIGHUP): this step saved, then the
@@ -223,12 +236,13 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             with averaging.averaged_weights(state):  # (those just evaluated)
                 checkpoints.save_weights(run.output_model, os.path.join(
                     config.model_dir, inference.BEST_WEIGHTS_FILE))
+        run_callbacks.eval(at_step, {**record, **recorder.last_details}, state)
 
     # --- Train: in-graph loops of up to steps_per_loop steps --------------------------
     every = {"eval": config.eval_every or plan.steps_per_epoch,
              "checkpoint": config.checkpoint_every or plan.steps_per_epoch,
              "log": config.log_every or plan.steps_per_epoch}
-    current, evaluated = start_step, False
+    current, evaluated_at = start_step, None
     profile = profile if is_chief else ()  # one trace, the chief's
     profiling = False
     with inputs.data_errors_explained(spec), stop_signals.while_training(), (
@@ -242,6 +256,9 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             if profile and current == profile[0]:  # a trace for TensorBoard's Profile tab
                 tf.profiler.experimental.start(os.path.join(config.model_dir, "train"))
                 profiling = True
+            if current == start_step:  # (otherwise silent for a while)
+                logging.info("Tracing the step%s; the first steps follow",
+                             " and compiling it with XLA" if jit else "")
             with progress_lib.Stopwatch() as watch:
                 sums, stopping = train_loop(train_iterator,
                                                   tf.constant(stop - current),
@@ -287,16 +304,22 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             due = lambda name: (current % every[name] == 0  # noqa: E731
                                 or current == plan.total_steps)
             if due("log"):
-                recorder.train(progress.log(current, learning_rate))
+                run_callbacks.log(current, recorder.train(progress.log(current,
+                                                                       learning_rate)))
             if due("eval"):
                 record_evaluation(current)
-                evaluated = current == plan.total_steps
+                evaluated_at = current
             if due("checkpoint"):
                 locks.check_held(config.model_dir)
                 checkpoints.save(manager, current, state)
                 recorder.save()
-        if not evaluated:  # e.g. resumed after the last step: the pictures need one
-            record_evaluation(current)
+                run_callbacks.checkpoint(current, manager.latest_checkpoint)
+            if run_callbacks.stop_reason:  # (the same on every worker)
+                logging.info("%s: the run ends at step %d", run_callbacks.stop_reason,
+                             current)
+                break
+        if evaluated_at != current:  # e.g. resumed after the last step: the pictures
+            record_evaluation(current)  # need one
 
     # --- Final outputs (chief only), with the evaluated weights -----------------------
     history = recorder.eval_history
@@ -311,6 +334,8 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             "peak_memory_gib": progress_lib.peak_memory_bytes() / 2**30,
             **progress.flop_rates(current),
             "steps": current, "epochs": current / plan.steps_per_epoch,
+            **({"stopped_early": run_callbacks.stop_reason}
+               if run_callbacks.stop_reason else {}),
             "resumed_from_step": start_step, "skipped_steps": progress.skipped_steps,
             "weights_sha256": progress_lib.weights_checksum(run.output_model),
             "task": config.task, "model": config.model, "dataset": config.dataset,
@@ -327,6 +352,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     metrics["state_sha256"] = progress_lib.state_checksum(state)  # (raw, all of it)
     metrics = recorder.finish(metrics, schedules.sample_points(schedule, 200),
                               plan.steps_per_epoch)
+    run_callbacks.train_end(metrics)
     logging.info("Done: %s on %d examples, %.1f s training, %.0f img/s%s, peak "
                  "memory %.2f GiB", recorder.describe(metrics), metrics["test_examples"],
                  metrics["train_seconds"], metrics["images_per_second"],

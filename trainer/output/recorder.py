@@ -27,8 +27,8 @@ class Recorder:
     what the pictures show."""
 
     def __init__(self, model_dir: str, is_chief: bool, start_step: int, task,
-                 title: str):
-        self.model_dir, self.is_chief = model_dir, is_chief
+                 title: str, config=None):
+        self.model_dir, self.is_chief, self.config = model_dir, is_chief, config
         self.task, self.title = task, title
         self.train_history, self.eval_history = _previous_history(model_dir, start_step)
         # Times continue from the resumed step, so the curve reads as one run.
@@ -44,10 +44,12 @@ class Recorder:
         return {**record, **{key: record[key] + offset
                              for key, offset in self._offsets.items() if key in record}}
 
-    def train(self, record: dict) -> None:
+    def train(self, record: dict) -> dict:
+        """Records one log line; returns its history record."""
         record = self._shift(record)
         self.train_history = _before(self.train_history, record["step"]) + [record]
         self.writer.train(record)
+        return record
 
     def eval(self, result: dict) -> dict:
         """Records one evaluation; returns its history record (without pictures)."""

@@ -43,6 +43,8 @@ The state and the step (see trainer/state.py and trainer/step.py):
   pipeline yields for the step, inside tf.data (e.g. two augmented views).
 - `training_flops(state, forward, options)`: the float ops of one training step
   per example, for the GFLOP/s of the log lines.
+- `callbacks()`: the task's own callbacks (trainer/callbacks.py), outside the
+  step: a picture at every evaluation, a stop of its own.
 
 Per replica, inside the default step (tensors in, tensors out):
 - `loss(batch, outputs)`: (the per-example training loss [B], {name: (total,
@@ -239,6 +241,11 @@ class Task:
         forward pass (`forward(model)`; the backward is about twice the forward),
         twice over with --sam_rho (two passes a step)."""
         return 3.0 * forward(state.models["main"]) * (2 if options.sam_rho else 1)
+
+    def callbacks(self) -> list:
+        """The task's own callbacks (trainer/callbacks.py: e.g. a picture logged at
+        every evaluation), run with the run's others."""
+        return []
 
     # --- per replica, in the default step ----------------------------------------------
 
