@@ -14,6 +14,16 @@ it with one line (trainer/tasks):
 - GENERATOR: an image of `input_shape` (the data's shape) made from a latent
   vector, its input (e.g. a GAN's generator); the builder takes no `num_classes`.
 
+A model also declares its input contract (`input_range`): what the pipeline feeds
+it. STANDARDIZED (every built-in model): per channel (x - mean) / std with the
+dataset's mean and std; UNIT: [0, 1]; SYMMETRIC: [-1, 1]; PIXELS: [0, 255] as
+floats (a keras.applications model that rescales its input itself, e.g.
+EfficientNet). Training, evaluation, predict and export all normalize the same way.
+
+A Keras model of your own (functional, Sequential, subclassed, keras.applications,
+a keras_hub backbone with a head) registers with one call, `register_keras(name,
+make, ...)`, e.g. in a module given with --import.
+
 Builders share one signature, `build([num_classes,] input_shape, tiny=False,
 **options)`: `tiny=True` gives a small variant of the same architecture for tests;
 the options are the builder's own keyword arguments, given on the command line as
@@ -37,32 +47,115 @@ OUTPUT_KINDS = {LOGITS: "logits", HEADS: "a dict of heads with the main logits u
                 GENERATOR: "an image of the data's shape from a latent vector"}
 
 
+STANDARDIZED, UNIT, SYMMETRIC, PIXELS = "standardized", "unit", "symmetric", "pixels"
+INPUT_RANGES = {STANDARDIZED: "per-channel (x - mean) / std with the dataset's mean "
+                "and std", UNIT: "[0, 1]", SYMMETRIC: "[-1, 1]",
+                PIXELS: "[0, 255] as floats"}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelEntry:
     name: str
     builder: Builder
     outputs: str          # LOGITS | HEADS | IMAGE
     min_image_size: int   # the smallest square input the full model accepts
+    input_range: str = STANDARDIZED
+
+
+def input_normalization(name: str, dataset_mean: tuple, dataset_std: tuple
+                        ) -> tuple[tuple, tuple]:
+    """(mean, std) per channel, of images scaled to [0, 1], that turn the data into
+    what model `name` declares it takes (x -> (x - mean) / std)."""
+    input_range = entry(name).input_range
+    if input_range == STANDARDIZED:
+        return tuple(dataset_mean), tuple(dataset_std)
+    mean, std = {UNIT: (0.0, 1.0), SYMMETRIC: (0.5, 0.5), PIXELS: (0.0, 1 / 255)}[
+        input_range]
+    return (mean,) * len(dataset_mean), (std,) * len(dataset_std)
 
 
 _REGISTRY: dict[str, ModelEntry] = {}
 
 
 def register(name: str, outputs: str = LOGITS, min_image_size: int = 32,
-             builder: Builder | None = None):
+             builder: Builder | None = None, input_range: str = STANDARDIZED):
     """`@register("my_net")` above a builder adds it as --model=my_net. With
     `builder=` it registers that callable (e.g. a functools.partial variant) and
     returns it."""
     if outputs not in OUTPUT_KINDS:
         raise ValueError(f"model {name}: outputs={outputs!r}; use one of "
                          f"{', '.join(OUTPUT_KINDS)}")
+    if input_range not in INPUT_RANGES:
+        raise ValueError(f"model {name}: input_range={input_range!r}; use one of "
+                         f"{', '.join(INPUT_RANGES)}")
 
     def add(function: Builder) -> Builder:
-        if name in _REGISTRY:
+        if name in _REGISTRY and _REGISTRY[name].builder is not function:
             raise ValueError(f"two models are registered as {name!r}")
-        _REGISTRY[name] = ModelEntry(name, function, outputs, min_image_size)
+        _REGISTRY[name] = ModelEntry(name, function, outputs, min_image_size, input_range)
         return function
     return add(builder) if builder is not None else add
+
+
+def register_keras(name: str, make: Callable[..., keras.Model], outputs: str = LOGITS,
+                   input_range: str = STANDARDIZED, min_image_size: int = 32) -> Builder:
+    """Registers any Keras model as --model=`name`, in one call:
+
+        models.register_keras("mnv3small", lambda input_shape, num_classes:
+            keras.applications.MobileNetV3Small(
+                input_shape=input_shape, weights=None, classes=num_classes,
+                include_preprocessing=False, classifier_activation=None),
+            input_range=models.UNIT)
+
+    make(input_shape, num_classes) (no num_classes for IMAGE/GENERATOR outputs;
+    `tiny` too if it takes it; its other keyword arguments are
+    --model_options) returns a functional, Sequential or subclassed model. It is
+    made a functional model on keras.Input(input_shape) (what the FLOP count, the
+    features and export read), with float32 outputs under mixed precision. A model
+    that ends in a softmax is refused: models output logits."""
+    takes = inspect.signature(make).parameters
+
+    def builder(input_shape, tiny: bool = False, num_classes: int | None = None,
+                **options) -> keras.Model:
+        given = {"input_shape": tuple(input_shape), "num_classes": num_classes,
+                 "tiny": tiny}
+        model = make(**{k: v for k, v in given.items() if k in takes}, **options)
+        return as_functional(model, tuple(input_shape), name)
+    builder.__signature__ = inspect.signature(make)  # its options, for parse_options
+    return register(name, outputs, min_image_size, builder, input_range)
+
+
+def as_functional(model: keras.Model, input_shape: tuple[int, int, int],
+                  name: str) -> keras.Model:
+    """`model` as a functional model of one keras.Input with float32 outputs: a
+    Sequential without an Input gets one (its layers kept as they are), a
+    subclassed model is called on one."""
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"model {name}: its builder returned {type(model).__name__}, "
+                         f"not a keras.Model")
+    if isinstance(model, keras.Sequential):  # (its `output` fails even with an Input)
+        sequential = keras.Sequential([keras.Input(input_shape), *model.layers],
+                                      name=model.name)
+        model = keras.Model(sequential.inputs[0], sequential.outputs[0], name=model.name)
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):  # subclassed: never called yet
+        inputs = None
+    wrapped = not inputs or len(inputs) != 1
+    if wrapped:
+        inputs = [keras.Input(input_shape, name="image")]
+        outputs = model(inputs[0])
+    else:
+        outputs = model.outputs[0] if len(model.outputs) == 1 else model.output
+    last = model.layers[-1] if getattr(model, "layers", None) else None
+    if getattr(last, "activation", None) is keras.activations.softmax:
+        raise ValueError(f"model {name} ends in a softmax ({last.name}); models output "
+                         f"logits (keras.applications: classifier_activation=None)")
+    if not keras.tree.is_nested(outputs) and outputs.dtype != "float32":
+        outputs = keras.layers.Activation("linear", dtype="float32",  # (mixed
+                                          name="float32_outputs")(outputs)  # precision)
+        wrapped = True
+    return keras.Model(inputs[0], outputs, name=model.name) if wrapped else model
 
 
 def names() -> tuple[str, ...]:

@@ -16,7 +16,7 @@ import tensorflow as tf
 from data import pipeline, sources
 import models
 from trainer import averaging, checkpoints, flops, inputs, optimizers, schedules, step
-from trainer import tasks
+from trainer import tasks, user_code
 from trainer import state as state_lib
 from trainer import config as config_lib
 from trainer.config import Config, ConfigError
@@ -64,6 +64,10 @@ def config_of_run(model_dir: str) -> Config:
     export on an edited or damaged file stop with one CheckpointError line."""
     settings = checkpoints.read_run_config(model_dir)
     path = f"{model_dir.rstrip('/')}/{checkpoints.RUN_CONFIG}"
+    try:  # the run's own code (its --import), so that its model and task are known
+        user_code.import_modules(settings.get("imports") or "")
+    except user_code.UserCodeError as err:
+        raise checkpoints.CheckpointError(f"{path}: {err}") from err
     try:
         return config_lib.validate(config_lib.from_dict(settings), models.names(),
                                    sources.names())
@@ -76,9 +80,20 @@ def config_of_run(model_dir: str) -> Config:
 
 
 def dataset_spec(config: Config) -> sources.DatasetSpec:
-    """The run's dataset, with its split choices (every command reads it here)."""
-    return sources.get_spec(config.dataset, config.data_dir, config.train_split,
-                            config.eval_split)
+    """The run's dataset, with its split choices and the normalization its model
+    declares (every command reads it here)."""
+    return model_input_spec(sources.get_spec(config.dataset, config.data_dir,
+                                             config.train_split, config.eval_split),
+                            config.model)
+
+
+def model_input_spec(spec: sources.DatasetSpec, model_name: str) -> sources.DatasetSpec:
+    """`spec` with the mean and std that make its images what model `model_name`
+    takes (its input contract, models.register(input_range=...)): the dataset's
+    own for the built-in models, [0, 1], [-1, 1] or [0, 255] for others. Training,
+    evaluation, predict and export all normalize with these."""
+    mean, std = models.input_normalization(model_name, spec.mean, spec.std)
+    return dataclasses.replace(spec, mean=mean, std=std)
 
 
 def counts(config: Config, spec: sources.DatasetSpec) -> tuple[int, int]:

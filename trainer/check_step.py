@@ -56,6 +56,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
+    cli.import_user_code(FLAGS, sys.argv)
     run_flags.define_flags(FLAGS)
     if "check_steps" in FLAGS:
         return

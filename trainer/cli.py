@@ -129,3 +129,17 @@ def run(main: Callable[[list[str]], None],
         flag_values: flags.FlagValues = flags.FLAGS) -> None:
     """Runs a command's `main` (absl's app.run), its flags parsed by parse_flags."""
     app.run(main, flags_parser=lambda argv: parse_flags(argv, flag_values))
+
+
+def import_user_code(flag_values: flags.FlagValues, argv: list[str]) -> None:
+    """First in a command's define_flags: the user's own code (trainer/user_code.py:
+    the installed packages' entry points, then --import's modules), before the
+    command's flags are defined (a task of theirs has its settings as flags), and
+    the --import flag itself. A module that cannot be imported: one `error:` line,
+    exit 2."""
+    from trainer import user_code  # (no TensorFlow: the launcher needs none)
+    user_code.import_for_command(argv)
+    define_flag(flag_values, flags.DEFINE_string, user_code.FLAG, "",
+                "Modules of your own to import first, 'MODULE[,MODULE]': they register "
+                "models, tasks and callbacks (trainer/user_code.py). A run records "
+                "them; commands on the run import them themselves.")

@@ -41,6 +41,7 @@ EVALUATIONS_FILE = "evaluations.json"
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    cli.import_user_code(flag_values, sys.argv)
     cli.define_flag(flag_values, flags.DEFINE_string, "model_dir", None,
                     "The training run's directory (its run_config.json and checkpoints).")
     cli.define_flag(flag_values, flags.DEFINE_string, "checkpoint", None,

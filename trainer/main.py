@@ -38,6 +38,7 @@ USER_ERRORS = run_flags.USER_ERRORS
 
 def define_flags() -> None:
     """This command's flags: the run's (trainer/run_flags.py), and --plot_schedule."""
+    cli.import_user_code(FLAGS, sys.argv)
     run_flags.define_flags(FLAGS)
     cli.define_flag(FLAGS, flags.DEFINE_bool, "plot_schedule", False, "Write the "
                     "learning-rate schedule of these settings to <model_dir>/lr_schedule.png "

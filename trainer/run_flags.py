@@ -9,12 +9,19 @@ from absl import flags, logging
 
 from data import sources
 import models
-from trainer import checkpoints, cli, config as config_lib, tasks
+from trainer import checkpoints, cli, config as config_lib, tasks, user_code
 from trainer import strategy as strategy_lib
 
 # Errors that mean "the user asked for something impossible": one line, status 2.
 USER_ERRORS = (config_lib.ConfigError, sources.DatasetError, strategy_lib.DeviceError,
-               checkpoints.CheckpointError)
+               checkpoints.CheckpointError, user_code.UserCodeError)
+
+# A field whose flag has another name: --import (`import` is a Python keyword).
+FLAG_NAMES = {"imports": user_code.FLAG}
+
+
+def flag_name(field: str) -> str:
+    return FLAG_NAMES.get(field, field)
 
 
 def _setting_fields() -> list[dataclasses.Field]:
@@ -32,17 +39,21 @@ def define_flags(flag_values: flags.FlagValues) -> None:
                 float: flags.DEFINE_float, bool: flags.DEFINE_bool}
     for field in _setting_fields():
         kind = type(field.default) if field.default is not None else str
-        cli.define_flag(flag_values, definers[kind], field.name, field.default,
-                        field.metadata["help"])
+        cli.define_flag(flag_values, definers[kind], flag_name(field.name),
+                        field.default, field.metadata["help"])
 
 
 def config_from_flags(flag_values: flags.FlagValues) -> config_lib.Config:
     """The validated Config from a command's parsed `flag_values`: the model's
     recipe, the flags given over it."""
-    names = [f.name for f in _setting_fields()]
+    # (A task registered after the flags were defined: its settings at their defaults.)
+    names = [f.name for f in _setting_fields() if flag_name(f.name) in flag_values]
+    # (A command imports them before it defines its flags, cli.import_user_code;
+    # again here for a main called in-process.)
+    user_code.import_modules(flag_values[user_code.FLAG].value)
     config, origin = config_lib.resolve(
-        {name: flag_values[name].value for name in names},
-        {name for name in names if flag_values[name].present})
+        {name: flag_values[flag_name(name)].value for name in names},
+        {name for name in names if flag_values[flag_name(name)].present})
     if origin:
         values = {**config.as_dict(), **config.task_settings}
         logging.info("Recipe for %s: %s", config.model, ", ".join(

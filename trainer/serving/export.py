@@ -121,6 +121,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     its name with trainer.main's, and is required only where export defines it).
     A test calls this inside absl.testing.flagsaver: a required flag left defined
     would fail every later parse of FLAGS in the process."""
+    cli.import_user_code(flag_values, sys.argv)
     for name, text in (("model_dir", "A finished run's directory."),
                        ("export_dir", "New directory to write the SavedModel to.")):
         if cli.define_flag(flag_values, flags.DEFINE_string, name, None, text):

@@ -49,7 +49,8 @@ class TrainedModel:
                 raise InferenceError(f"{path} not found: --model_dir must be the "
                                      f"directory of a finished training run")
         self.config = build.config_of_run(model_dir)
-        self.spec = _dataset_spec(self.config.dataset, model_dir)
+        self.spec = build.model_input_spec(_dataset_spec(self.config.dataset, model_dir),
+                                           self.config.model)
         self.image_size = inputs.image_shape(self.config, self.spec)[0]
         run = build.build_run(self.config, self.spec, None, tf.distribute.get_strategy(),
                               "float32", purpose=build.SERVE)  # (CPU inference)

@@ -104,6 +104,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     """predict's flags (also called by tests; defining twice is a no-op). --model,
     --dataset, --model_dir and --data_dir share their names and types with
     trainer.main's: in one process, whichever command defined them first owns them."""
+    cli.import_user_code(flag_values, sys.argv)
     cli.define_flag(flag_values, flags.DEFINE_string, "model_dir", "", "A finished run's "
                     "directory (default: the one trainer.main trains --task and --model in, "
                     "runs/<model>_<dataset>[_<task>], the dataset being --dataset or the "

@@ -178,7 +178,7 @@ def runnable(chosen: list[Case], replicas: int, streamable: bool = True) -> list
 
 
 def measure(args) -> dict:
-    spec = sources.get_spec(args.dataset, args.data_dir)
+    spec = build.model_input_spec(sources.get_spec(args.dataset, args.data_dir), args.model)
     size = args.image_size or spec.image_shape[0]
     shape = (size, size, spec.image_shape[2])
     precision = strategy_lib.resolve_precision(args.precision, "cpu")
@@ -244,6 +244,7 @@ def _wait(row: dict) -> str:
 def define_flags() -> None:
     """The benchmark's flags (cli.define_flag: in a process that also loaded
     trainer.main, as the tests do, the names they share are trainer.main's)."""
+    cli.import_user_code(FLAGS, sys.argv)
     define = functools.partial(cli.define_flag, FLAGS)
     define(flags.DEFINE_string, "model", "cifar_cnn", f"Model: {'|'.join(models.names())}.")
     define(flags.DEFINE_enum, "model_size", "full", "tiny: the test variant.",
