@@ -93,3 +93,21 @@ def test_an_unknown_callback_is_one_error_naming_the_registered_ones(tiny_config
     with pytest.raises(config_lib.ConfigError, match="unknown callback 'nope'"):
         config_lib.validate(tiny_config.replace(callbacks="nope"), ("cifar_cnn",),
                             ("synthetic",))
+
+
+def test_lr_find_climbs_until_the_loss_diverges_and_suggests_a_rate(tmp_path, command):
+    status, out, log = command(
+        "trainer.tools.lr_find", "--model=cifar_cnn", "--model_size=tiny",
+        "--dataset=synthetic", "--batch_size=16", "--eval_batch_size=256",
+        "--precision=float32", "--lr_min=1e-5", "--lr_max=1e3", "--lr_find_steps=40",
+        f"--output_dir={tmp_path / 'lr'}")
+    assert status == 0, out + log
+    with open(tmp_path / "lr" / "lr_find.json") as f:
+        found = json.load(f)
+    rates = found["learning_rates"]
+    assert rates[0] == pytest.approx(1e-5) and rates == sorted(rates)
+    # Adam at 1e3 diverges long before the 40th step: the test stopped itself.
+    assert len(rates) < 40 and ("diverged" in log or "not finite" in log)
+    assert 1e-5 <= found["steepest"] <= rates[-1]
+    assert f"suggested learning rate: {found['steepest']:.3g}" in out
+    assert (tmp_path / "lr" / "lr_find.png").stat().st_size > 10_000

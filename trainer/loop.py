@@ -76,13 +76,15 @@ def _warn_of_stateful_random_ops(train_loop, iterator) -> None:
 
 
 def train_and_evaluate(config: Config, display: IO | None = None,
-                       stop_signals: faults.StopSignals | None = None) -> dict:
+                       stop_signals: faults.StopSignals | None = None,
+                       extra_callbacks: tuple = ()) -> dict:
     """Trains `config` in config.model_dir (resuming if a checkpoint is there),
     evaluates, saves `model.weights.h5`, `metrics.json`, `summary.png` and
     TensorBoard summaries; returns the final metrics. display: where the live
     progress bar goes if it is a terminal (default stderr; else plain log lines).
     stop_signals: the command's stop-signal watcher (installed before this is called),
-    else one installed for the training steps."""
+    else one installed for the training steps. extra_callbacks: callbacks
+    (trainer/callbacks.py) beside the run's own, e.g. trainer.tools.lr_find's."""
     stop_signals = stop_signals or faults.StopSignals()
     since_start = progress_lib.Stopwatch()  # for the time to the first step
     # --- Devices, precision, seeds --------------------------------------------------
@@ -131,7 +133,8 @@ def train_and_evaluate(config: Config, display: IO | None = None,
         inference.keep_dataset_description(config.dataset, config.model_dir)
     # The run's callbacks (trainer/callbacks.py): saved in every checkpoint beside
     # the state, so their own state resumes with it.
-    run_callbacks = callbacks_lib.Callbacks(callbacks_lib.for_run(config, task))
+    run_callbacks = callbacks_lib.Callbacks([*callbacks_lib.for_run(config, task),
+                                             *extra_callbacks])
     with strategy.scope():  # everything the state holds, all of it restored
         checkpoint = checkpoints.training_checkpoint(state)
     progress_lib.log_setup(config, spec, runtime, plan, precision, jit, schedule, state,

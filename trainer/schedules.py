@@ -9,6 +9,8 @@ Every schedule starts with a linear warmup from `start` (default: `floor`) to
                 (triangular) schedule of the CIFAR-10 speed records
 - rampup:       the flowers codelab's lrfn: hold the peak for `sustain_steps`, then
                 decay exponentially per epoch towards `floor`
+- range_test:   from `floor` up to `peak`, exponentially, over the run's steps (the
+                learning-rate range test: python -m trainer.tools.lr_find)
 Epochs here are fractional (step / steps_per_epoch), so the curve is smooth.
 """
 import math
@@ -16,7 +18,7 @@ import math
 import keras
 import tensorflow as tf
 
-KINDS = ("constant", "exponential", "cosine", "linear", "rampup")
+KINDS = ("constant", "exponential", "cosine", "linear", "rampup", "range_test")
 
 
 class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
@@ -43,6 +45,9 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
             if self.kind == "linear":
                 return self.floor + span * (1.0 - progress)
             return self.floor + span * 0.5 * (1.0 + tf.cos(math.pi * progress))
+        if self.kind == "range_test":  # floor * (peak / floor) ** progress
+            progress = steps_since_warmup / max(1, self.total_steps - 1)
+            return self.floor * tf.pow(self.peak / self.floor, tf.minimum(progress, 1.0))
         if self.kind == "rampup":
             steps_since_warmup = tf.maximum(steps_since_warmup - self.sustain_steps, 0.0)
         epochs = steps_since_warmup / self.steps_per_epoch
