@@ -14,6 +14,7 @@ import keras
 import tensorflow as tf
 
 from data import files
+import models
 from trainer import averaging, build, callbacks as callbacks_lib, checkpoints, distributed
 from trainer import evaluation, faults, locks
 from trainer import flops, inputs, provenance, randomness, schedules
@@ -104,6 +105,8 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     # --- How much data, how many steps ----------------------------------------------
     checkpoints.check_previous_run(config.model_dir, config.as_dict())  # (reads only)
     spec = build.dataset_spec(config)
+    logging.info("Model input: %s (%s's input_range)",
+                 models.INPUT_RANGES[models.entry(config.model).input_range], config.model)
     plan = build.plan(config, spec, runtime.num_replicas)
     profile = (config_lib.profile_range(config.profile_steps) if config.profile_steps
                else ())
