@@ -36,6 +36,7 @@ computation (tests/test_step.py does, for the built-in step).
 """
 import dataclasses
 import sys
+from typing import Callable
 
 from trainer import cli
 
@@ -157,9 +158,23 @@ def checkable(model: keras.Model, freeze_batch_norm: bool = False) -> keras.Mode
         if isinstance(layer, keras.layers.Dropout):
             layer_config["rate"] = 0.0
         return layer.__class__.from_config(layer_config)
-    copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    copy = _clone(model, clone)
     _copy_weights(model, copy)
     return copy
+
+
+def _clone(model: keras.Model, clone: Callable) -> keras.Model:
+    """keras.models.clone_model, layer by layer; a layer Keras cannot rebuild from
+    its config (a subclassed model without get_config) is one ConfigError line."""
+    try:
+        return keras.models.clone_model(model, clone_function=clone, recursive=True)
+    except NotImplementedError as err:
+        raise config_lib.ConfigError(
+            f"check_step copies {model.name} layer by layer (float64, synchronized "
+            f"batch-norm, no dropout), and Keras cannot rebuild a part of it from its "
+            f"config ({' '.join(str(err).split())[:160]}); give that layer or "
+            f"subclassed model a get_config(), or build it from layers "
+            f"(functional or Sequential)") from err
 
 
 def in_float64(model: keras.Model) -> keras.Model:
@@ -167,7 +182,7 @@ def in_float64(model: keras.Model) -> keras.Model:
     all, otherwise as it is: it runs as the task calls it."""
     def clone(layer):
         return layer.__class__.from_config(_in_float64(layer.get_config()))
-    copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    copy = _clone(model, clone)
     copy.set_weights(model.get_weights())
     return copy
 
