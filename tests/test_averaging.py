@@ -95,3 +95,12 @@ def test_run_reports_raw_and_averaged_accuracy(tiny_config):
     assert "test_accuracy_raw" in written
     assert all("test_accuracy_raw" in e for e in written["eval_history"])
     assert written["test_accuracy"] == metrics["test_accuracy"]
+    # Stopped before its end (no weights files): predict and export serve the
+    # newest checkpoint's average, as model.weights.h5 holds it, not its raw weights.
+    from trainer.serving import inference
+    averaged = [v.numpy() for v in inference.TrainedModel(tiny_config.model_dir).model.weights]
+    for name in ("model.weights.h5", "best.weights.h5"):
+        os.remove(os.path.join(tiny_config.model_dir, name))
+    newest = inference.TrainedModel(tiny_config.model_dir)
+    assert newest.weights.startswith("ckpt-4 (step 4;")
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(averaged, newest.model.weights))

@@ -233,3 +233,44 @@ def test_trains_on_the_codelab_tfrecords_as_they_are(tmp_path, run):
     assert metrics["test_examples"] == 6  # the last file, whole
     kept = json.loads((tmp_path / "run" / "dataset.json").read_text())
     assert kept["class_names"] == list(CODELAB_CLASSES)
+
+
+@pytest.mark.parametrize("asked", ["--help", "-h", "--helpshort"])
+def test_help_shows_every_flag_once_under_its_topic_and_exits_0(asked, capsys):
+    from absl import flags
+    from trainer import cli, run_flags
+    flag_values = flags.FlagValues()
+    run_flags.define_flags(flag_values)
+    cli.define_flag(flag_values, flags.DEFINE_bool, "plot_schedule", False, "A "
+                    "command's own flag.")
+    flags.DEFINE_integer("check_steps", 3, "A tool's flag defined by absl alone.",
+                         flag_values=flag_values, module_name="trainer.check_step")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_flags(["trainer.main", "--model=resnet", asked], flag_values)
+    assert exit_info.value.code == 0
+    shown = capsys.readouterr().out
+    shown = shown[shown.index("this command:\n") + 14:]  # (after the usage)
+    headings = [line for line in shown.splitlines() if line.endswith(":")
+                and not line.startswith(" ")]
+    assert headings == ["model:", "data:", "task:", "task autoencoder:",
+                        "task classification (also distill):", "task distill:",
+                        "task gan:", "task simclr:", "optimization:",
+                        "the training step:", "devices:", "the loop:",
+                        "run directory and outputs:", "measuring:", "your own code:"]
+    flag_lines = [line.split("=")[0].split(":")[0].strip() for line in shown.splitlines()
+                  if line.startswith("  --")]
+    names = [name.replace("--[no]", "--")[2:] for name in flag_lines]
+    assert sorted(names) == sorted(set(flag_values))  # every flag, once
+    assert names[:2] == ["plot_schedule", "check_steps"]  # the command's own first
+    assert len(names) == len(set(names)) and {"batch_size", "teacher_dir",
+                                              "import"} <= set(names)
+    model = shown.index("\nmodel:\n")
+    assert model < shown.index("  --model=cifar_cnn: Model: ") < shown.index("\ndata:\n")
+
+
+def test_every_setting_has_a_help_topic():
+    from trainer import config as config_lib, tasks
+    for name in [*config_lib.FLAG_FIELDS, *tasks.all_setting_fields()]:
+        assert config_lib.help_topic(name) != "other", name
+    listed = [name for fields in config_lib.TOPICS.values() for name in fields]
+    assert sorted(listed) == sorted(config_lib.FLAG_FIELDS)  # each once, none stale

@@ -142,3 +142,34 @@ def test_resnet_fast_is_a_resnet9_with_fast_batch_norm():
     norms = [layer for layer in model.layers
              if isinstance(layer, keras.layers.BatchNormalization)]
     assert len(norms) == 8 and all(n.momentum == 0.6 for n in norms)
+
+
+def test_airbench_small_flops_are_its_convolutions_and_head():
+    """trainer/flops.py counts every convolution (the fused batch-norm and GELU in
+    between once hid their shapes from TF's profiler: 2 MFLOP, not ~40)."""
+    from trainer import flops
+    model = models.build("airbench_small", 10, (32, 32, 3))
+    analytic = 0
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.Conv2D):  # the whitening layer too
+            _, height, width, _ = layer.output.shape
+            analytic += 2 * height * width * np.prod(layer.kernel.shape)  # k*k*Cin*Cout
+        elif isinstance(layer, keras.layers.Dense):
+            analytic += 2 * np.prod(layer.kernel.shape)
+    assert 35e6 < analytic < 45e6  # (the first 3x3 convolution alone: 13.3 M)
+    assert flops.forward_flops_of(model) == pytest.approx(analytic, rel=0.05)
+
+
+@pytest.mark.parametrize("name", models.names())
+def test_every_model_has_a_sane_flop_count(name):
+    """Each kernel weight is used at least once and at most once per position of
+    the image (tiny variants, as a run counts them)."""
+    from trainer import flops
+    num_classes = None if models.entry(name).outputs in (models.IMAGE,
+                                                         models.GENERATOR) else 7
+    model = models.build(name, num_classes, _shape(name), tiny=True)
+    kernel_weights = sum(int(np.prod(v.shape)) for v in model.weights
+                         if v.path.endswith("kernel"))
+    height, width, _ = _shape(name)
+    assert 2 * kernel_weights <= flops.forward_flops_of(model) <= (
+        2 * kernel_weights * height * width)

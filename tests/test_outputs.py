@@ -4,6 +4,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 
 from absl import logging as absl_logging
@@ -53,7 +54,8 @@ def _progress(bars=None):
 
 def test_terminal_gets_a_live_bar_per_epoch_and_no_log_lines(caplog):
     terminal = FakeTerminal()
-    bars = progress_bar.EpochBars(total_steps=20, steps_per_epoch=10, stream=terminal)
+    bars = progress_bar.EpochBars(total_steps=20, steps_per_epoch=10, stream=terminal,
+                                  width=230)
     with caplog.at_level(logging.INFO, logger="absl"):
         _progress(bars)
         absl_logging.info("capture works")  # so the absence below means something
@@ -67,6 +69,45 @@ def test_terminal_gets_a_live_bar_per_epoch_and_no_log_lines(caplog):
     assert "ETA epoch 0:00:00 run 0:00:01" in shown
     assert "ETA epoch 0:00:00 run 0:00:00" in shown
     assert "capture works" in caplog.text and "step 10/20" not in caplog.text
+
+
+def _bar_lines(width: int | None) -> list[str]:
+    """The lines an airbench-like run's bar draws (4 metrics, FLOP/s of a measured
+    peak, 10 epochs of 490 steps) on a terminal `width` columns wide."""
+    terminal = FakeTerminal()
+    bars = progress_bar.EpochBars(total_steps=4900, steps_per_epoch=490, stream=terminal,
+                                  width=width)
+    progress = reporting.Progress(4900, 490, 1024, start_step=0, bars=bars,
+                                  flops_per_image=119e6, peak_flops=9e11)
+    progress.add({"loss": (2.0923, 1.0), "accuracy": (0.3101, 1.0),
+                  "grad_norm": (0.2715, 1.0), "skipped": (0.0, 1.0)}, 10, 6.0)
+    progress.show(10, 0.736)
+    bars.close()
+    return [line for line in re.split("[\r\n]", terminal.getvalue()) if line]
+
+
+@pytest.mark.parametrize("width", [80, 120, 230])
+def test_the_bar_fits_the_terminal_and_keeps_the_etas(width):
+    lines = _bar_lines(width)
+    assert max(len(line) for line in lines) < width  # (the last column would wrap)
+    last = lines[-1].rstrip()
+    assert last.endswith("ETA epoch 0:04:48 run 0:48:54"), last  # whole (1,707 img/s)
+    fields = ["loss 2.0923", "accuracy 0.3101", "grad_norm 0.2715", "skipped 0.0000",
+              "lr 0.736", "1,707 img/s", "203 GFLOP/s (23% of peak)"]
+    shown = [field for field in fields if field in last]
+    if width == 230:
+        assert shown == fields
+    else:  # the least important first to go: the skipped count, then FLOP/s, ...
+        assert "loss 2.0923" in shown and "skipped 0.0000" not in shown
+        assert len(shown) < (4 if width == 80 else len(fields))
+
+
+def test_the_bar_follows_the_terminals_width(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")  # (a stream without a terminal of its own)
+    lines = _bar_lines(width=None)
+    assert max(len(line) for line in lines) < 100 and "ETA epoch" in lines[-1]
+    monkeypatch.setenv("COLUMNS", "230")
+    assert "skipped 0.0000" in _bar_lines(width=None)[-1]
 
 
 def test_plain_lines_off_a_terminal(caplog):
@@ -87,11 +128,12 @@ def finished_run(tmp_path_factory):
     config = Config(model="cifar_cnn", model_size="tiny", dataset="synthetic",
                     model_dir=str(tmp_path_factory.mktemp("run")), batch_size=16,
                     eval_batch_size=256, train_steps=8, steps_per_loop=2, log_every=2, eval_every=4,
-                    precision="float32", shuffle_buffer=64)
+                    precision="float32", shuffle_buffer=64, histograms=True)
     terminal = FakeTerminal()
     with pytest.MonkeyPatch.context() as patch:  # session scope: before _no_ci applies
         patch.delenv("CI", raising=False)
         patch.setenv("TERM", "xterm")
+        patch.setenv("COLUMNS", "230")  # the width of a fake terminal: all fields show
         metrics = loop.train_and_evaluate(config, display=terminal)
     return config, metrics, terminal.getvalue()
 
@@ -125,6 +167,91 @@ def test_tensorboard_summaries_have_the_expected_tags(finished_run):
     # An image summary is [width, height, PNG bytes...].
     width, height, png = tf.make_ndarray(image.tensor)[:3]
     assert png.startswith(PNG_SIGNATURE) and int(width) > 100 and int(height) > 100
+    # The whole prediction grid shows: its bottom row ends above the strip that
+    # TensorBoard's scroll bar covers (about 12 of the ~320 pixels it shows it wide).
+    grid = tf.io.decode_png(tf.make_ndarray(evals["predictions"][-1][1].tensor)[2],
+                            channels=3).numpy()
+    drawn = np.flatnonzero((grid < 250).any(axis=(1, 2)))
+    assert drawn[-1] < grid.shape[0] - 0.05 * grid.shape[1]
+
+
+def _session_groups(logdir: str) -> list:
+    """TensorBoard's HParams table of `logdir`, as its plugin builds it."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider
+    from tensorboard.backend.event_processing import plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import api_pb2, backend_context, list_session_groups
+    runs = plugin_event_multiplexer.EventMultiplexer()
+    runs.AddRunsFromDirectory(logdir)
+    runs.Reload()
+    provider = data_provider.MultiplexerDataProvider(runs, logdir)
+    tb = backend_context.Context(base_plugin.TBContext(
+        logdir=logdir, multiplexer=runs, data_provider=provider))
+    request = api_pb2.ListSessionGroupsRequest(
+        allowed_statuses=[api_pb2.STATUS_UNKNOWN], start_index=0, slice_size=10)
+    return list(list_session_groups.Handler(
+        context.RequestContext(), tb, "", request).run().session_groups)
+
+
+def test_tensorboard_hparams_text_and_histograms(finished_run):
+    """Read back as TensorBoard reads them, with --logdir=the run itself: its
+    settings and final metrics in the HParams table, the settings as Text, weight
+    and gradient histograms at each evaluation."""
+    from tensorboard.backend.event_processing import event_accumulator
+    config, metrics, _ = finished_run
+    [group] = _session_groups(config.model_dir)
+    assert group.hparams["train_steps"].number_value == 8
+    assert group.hparams["model"].string_value == "cifar_cnn"
+    assert "model_dir" not in group.hparams
+    values = {m.name.tag: m.value for m in group.metric_values}
+    assert values["eval/accuracy"] == pytest.approx(metrics["test_accuracy"])
+    assert values["eval/loss"] == pytest.approx(metrics["test_loss"])
+    assert values["train/loss"] == pytest.approx(metrics["train_loss"])
+
+    settings = event_accumulator.EventAccumulator(
+        os.path.join(config.model_dir, "hparams"), size_guidance={"tensors": 0})
+    settings.Reload()
+    text = tf.make_ndarray(settings.Tensors("settings")[0].tensor_proto).item().decode()
+    changed, others = text.split("The other settings:")
+    assert "| train_steps | `8` | `0` |" in changed and "| seed |" in others
+
+    histograms = event_accumulator.EventAccumulator(
+        os.path.join(config.model_dir, "histograms"), size_guidance={"tensors": 0})
+    histograms.Reload()
+    tags = histograms.Tags()["tensors"]
+    assert "weights/logits/kernel" in tags and "gradients/logits/kernel" in tags
+    assert len([t for t in tags if t.startswith("gradients/")]) == len(
+        [t for t in tags if t.startswith("weights/")])
+    assert [e.step for e in histograms.Tensors("gradients/logits/kernel")] == [4, 8]
+
+
+def test_sample_gradients_are_the_training_gradient_and_change_nothing():
+    """--histograms' gradient: the task's loss in training mode (batch-norm on the
+    batch's statistics), as a tape over the model gives it, with the batch-norm
+    statistics and the weights untouched."""
+    import keras
+    from conftest import classification
+    from trainer import state as state_lib
+    from trainer.output import histograms
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.BatchNormalization()(keras.layers.Conv2D(4, 3)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(x)))
+    state = state_lib.single(model, keras.optimizers.SGD())
+    task = classification()
+    rng = np.random.default_rng(0)
+    samples = {"image": rng.integers(0, 255, (6, 8, 8, 3), dtype=np.uint8),
+               "label": np.arange(6) % 10, "class_index": np.zeros(6)}
+    before = [w.copy() for w in model.get_weights()]
+    gradients = histograms.sample_gradients(task, state, samples)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)  # (the moving mean and variance too)
+    with tf.GradientTape() as tape:
+        loss, _ = task.loss({"label": tf.constant(samples["label"])},
+                            model(task.normalize(samples["image"]), training=True))
+        loss = tf.reduce_mean(loss)
+    for ours, theirs in zip(gradients, tape.gradient(loss, model.trainable_variables)):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.long(15)  # seconds, with -n 2
@@ -144,6 +271,34 @@ def test_summary_png_and_metrics_curves(finished_run):
     confusion = np.array(written["confusion_matrix"])
     assert confusion.shape == (10, 10) and confusion.sum() == metrics["test_examples"]
     assert np.trace(confusion) == round(metrics["test_accuracy"] * confusion.sum())
+
+
+def test_summary_png_shows_a_short_run_and_its_settings():
+    """A 30-step run's one log line and one evaluation, a --log_every=50 run's
+    three: markers (a line of one point draws nothing), every panel from the
+    start of the run to its end, the best in the legend (which hides no curve);
+    the title's seed and the settings that differ from the recipe."""
+    from trainer.config import Config
+    from trainer.output import figures, recorder
+    train = [{"step": 30, "epoch": 0.6, "train_loss": 2.1, "train_accuracy": 0.2}]
+    evals = [{"step": 30, "epoch": 0.6, "test_loss": 2.2, "test_accuracy": 0.19}]
+    fig = figures.summary(train, evals, [(0, 1e-3), (30, 1e-3)], 50,
+                          ("loss", "accuracy"), ("accuracy", True), None, "t")
+    loss, accuracy, rate = fig.axes
+    assert [line.get_marker() for line in loss.get_lines()] == ["o", "s"]
+    assert loss.get_xlabel() == "step" and loss.get_xlim()[0] < 0 < 30 < loss.get_xlim()[1]
+    assert "best 0.19 (step 30)" in [t.get_text() for t in accuracy.get_legend().texts]
+    long = [{"step": s, "epoch": s / 50, "train_loss": 1.0} for s in range(50, 5001, 50)]
+    fig = figures.summary(long, [], [(0, 1e-3), (5000, 1e-3)], 50, ("loss",),
+                          ("accuracy", True), None, "t")
+    assert fig.axes[0].get_lines()[0].get_marker() == "None"  # 100 points: a line
+    assert fig.axes[0].get_xlabel() == "epoch"
+
+    config = Config(model="cifar_cnn", dataset="cifar10", image_size=32, seed=3,
+                    learning_rate=0.01, model_dir="runs/x")
+    assert recorder.settings_line(config) == "seed 3; not the recipe's: learning_rate=0.01"
+    assert recorder.settings_line(config.replace(seed=0, learning_rate=1e-3)
+                                  ) == "seed 0; cifar_cnn's recipe"
 
 
 @pytest.mark.long(14)  # seconds, with -n 2
@@ -265,3 +420,36 @@ def test_predict_works_without_the_tfrecord_files(tmp_path, tiny_config):
                                        str(tmp_path / "photos" / "ants" / "0.png")]))
     assert "input 16x16" in lines[0] and "(24x20)" in lines[1]
     assert sorted(line.split()[1] for line in lines[2:]) == ["ants", "bees"]
+
+
+def test_a_run_that_has_not_finished_serves_its_best_or_newest_weights(
+        tiny_config, finished_tiny, caplog):
+    """predict and export (both through TrainedModel) on a stopped run: without
+    model.weights.h5, best.weights.h5; without that, the newest checkpoint; each
+    said in one line. (finished_tiny: checkpoints at steps 2 and 4, best at 4.)"""
+    from trainer.serving import inference
+    model_dir = tiny_config.model_dir
+    images = _images()
+    final = inference.TrainedModel(model_dir)
+    assert final.weights == "model.weights.h5"
+    expected = final.serve(images)["probabilities"]
+    os.remove(os.path.join(model_dir, "model.weights.h5"))
+    with caplog.at_level(logging.WARNING):
+        best = inference.TrainedModel(model_dir)
+    said = ("best.weights.h5 (step 4; the run has no model.weights.h5: it has not "
+            "finished)")
+    assert best.weights == said and f"using {said}" in caplog.text
+    np.testing.assert_allclose(best.serve(images)["probabilities"], expected, atol=1e-6)
+    os.remove(os.path.join(model_dir, "best.weights.h5"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        newest = inference.TrainedModel(model_dir)
+    assert newest.weights.startswith("ckpt-4 (step 4; the run has no model.weights.h5 "
+                                     "or best.weights.h5") and newest.weights in caplog.text
+    np.testing.assert_allclose(newest.serve(images)["probabilities"], expected, atol=1e-6)
+    for name in os.listdir(model_dir):
+        if name.startswith("ckpt-") or name == "checkpoint":
+            os.remove(os.path.join(model_dir, name))
+    with pytest.raises(inference.InferenceError, match="no model.weights.h5, "
+                                                       "best.weights.h5 or checkpoint"):
+        inference.TrainedModel(model_dir)

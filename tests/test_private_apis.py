@@ -82,3 +82,16 @@ def test_is_op_determinism_enabled_follows_enable_op_determinism():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=__file__.rsplit("/tests/", 1)[0])
     assert out.stdout.split() == ["False", "True"], out.stderr[-1000:]
+
+
+def test_get_function_gives_the_graph_of_a_called_tf_function():
+    """trainer/flops.py: graph._get_function(name).graph, the body of a tf.function
+    called inside the traced forward pass (its matmuls count)."""
+    from trainer import flops
+    inner = tf.function(lambda x: tf.matmul(x, tf.ones((6, 7))))
+    traced = tf.function(lambda x: inner(x)).get_concrete_function(
+        tf.TensorSpec((1, 6), tf.float32))
+    call = next(op for op in traced.graph.get_operations() if "PartitionedCall" in op.type)
+    body = traced.graph._get_function(call.get_attr("f").name).graph  # noqa: SLF001
+    assert "MatMul" in [op.type for op in body.get_operations()]
+    assert flops._graph_flops(traced.graph) == (2 * 6 * 7, 0)  # noqa: SLF001

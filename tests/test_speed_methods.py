@@ -376,6 +376,15 @@ def test_airbench_logs_flops_profiles_and_resumes_bitwise_after_a_kill(
     assert all(record["gflops_per_second"] > 0 for record in history)
     trace = profile_summary.newest_trace(config.model_dir)
     assert trace.startswith(os.path.join(config.model_dir, "train", "plugins", "profile"))
+    # TensorBoard's Profile tab (tensorboard-plugin-profile) finds it and its tools
+    import argparse
+    from tensorboard.plugins import base_plugin
+    from xprof import profile_plugin
+    profile_tab = profile_plugin.ProfilePlugin(base_plugin.TBContext(
+        logdir=config.model_dir, flags=argparse.Namespace(master_tpu_unsecure_channel="")))
+    [profiled] = profile_tab.generate_runs()
+    assert profiled.startswith("train/")
+    assert {"overview_page", "trace_viewer@"} <= set(profile_tab.run_tools_imp(profiled))
     summary = profile_summary.summarize(trace)
     assert summary["parts"]["convolution"]["backward"] > 0
     assert "| convolution |" in profile_summary.markdown(summary)
@@ -433,6 +442,40 @@ def test_compare_runs_finds_the_first_evaluation_at_target_and_groups_runs():
     table = compare_runs.group_rows({"all on": [a, b], "one off": [b, b]})
     assert "| all on | 2 | 92.00 ± 1.41 | +0.00 |" in table[2]
     assert "| one off | 2 | 91.00 ± 0.00 | -1.00 |" in table[3]
+
+
+def test_compare_runs_shows_the_settings_that_differ_and_whole_curves(tmp_path, command):
+    """Three runs' directories: a column for each setting that differs between
+    them (not where they are); curves by epoch (default), step or seconds, the
+    y-axis holding every evaluation; a missing run is one error line, exit 2."""
+    from trainer.tools import compare_runs
+    dirs = []
+    for seed, rate in ((0, 1e-3), (1, 1e-3), (2, 3e-3)):
+        run_dir = tmp_path / f"s{seed}"
+        run_dir.mkdir()
+        history = [{"step": 48 * e, "epoch": e, "train_seconds": 30.0 * e + seed,
+                    "test_accuracy": a} for e, a in ((1, 0.31), (2, 0.55), (3, 0.6 + seed / 100))]
+        settings = {"model": "cifar_cnn", "dataset": "cifar10", "seed": seed,
+                    "learning_rate": rate, "model_dir": str(run_dir), "task_settings": {}}
+        (run_dir / "metrics.json").write_text(json.dumps(
+            {"test_accuracy": history[-1]["test_accuracy"], "train_seconds": 90.0,
+             "images_per_second": 1.0, "eval_history": history, "settings": settings}))
+        dirs.append(str(run_dir))
+    runs = {os.path.basename(d): compare_runs.load(d) for d in dirs}
+    header, _, first, *_ = compare_runs.run_rows(runs, 0.92)
+    assert header.startswith("| run | learning_rate | seed | test accuracy |")
+    assert first.startswith("| s0 | 0.001 | 0 | 60.00% |")
+    assert compare_runs.curve(runs["s2"], "test_accuracy", "step") == [
+        (48, pytest.approx(31.0)), (96, pytest.approx(55.0)), (144, pytest.approx(62.0))]
+    fig = compare_runs.plot(runs, str(tmp_path / "curves.png"), 0.92)
+    low, high = fig.axes[0].get_ylim()
+    assert low < 31.0 and high > 92.0 and fig.axes[0].get_xlabel() == "epoch"
+    status, out, _ = command("trainer.tools.compare_runs", f"--runs={','.join(dirs)}",
+                             f"--plot={tmp_path / 'by_step.png'}", "--x=step")
+    assert status == 0 and "| s2 | 0.003 | 2 | 62.00% |" in out
+    assert (tmp_path / "by_step.png").read_bytes().startswith(b"\x89PNG")
+    status, _, err = command("trainer.tools.compare_runs", f"--runs={tmp_path / 'none'}")
+    assert status == 2 and err.strip().splitlines()[-1].startswith("error: ")
 
 
 def test_profile_busy_time_counts_overlapping_events_once():

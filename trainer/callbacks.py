@@ -24,10 +24,11 @@ with the same numbers (metrics and evaluations are all-reduced), so that a stop
 is decided alike everywhere (one worker alone cannot stop: the others would wait
 in a collective). Write files only where `context.is_chief`.
 
-Which callbacks a run has: the CSV log (log.csv) always; early stopping with
---early_stop_patience; those named by --callbacks (registered with
-`@callbacks.register("name")`, e.g. in a module of your own given with
---import); and those the task returns from `Task.callbacks()`.
+Which callbacks a run has: the CSV log (log.csv) and TensorBoard's HParams and
+settings Text (trainer/output/hparams.py) always; weight and gradient histograms
+with --histograms; early stopping with --early_stop_patience; those named by
+--callbacks (registered with `@callbacks.register("name")`, e.g. in a module of
+your own given with --import); and those the task returns from `Task.callbacks()`.
 
 Compared with Keras (`keras.callbacks.Callback`: on_epoch_end(logs),
 model.stop_training) and Lightning (`Callback.on_validation_end(trainer, module)`,
@@ -142,6 +143,7 @@ class Callbacks(tf.train.experimental.PythonState):
         if len(set(keys)) != len(keys):
             raise ValueError(f"two callbacks of the run have the same name: {keys}")
         self.context: Context | None = None
+        self.restored = False  # from a checkpoint (deserialize was called)
 
     @staticmethod
     def _key(index: int, callback: Callback) -> str:
@@ -159,6 +161,7 @@ class Callbacks(tf.train.experimental.PythonState):
     def deserialize(self, string_value) -> None:
         saved = json.loads(string_value.numpy() if hasattr(string_value, "numpy")
                            else string_value)
+        self.restored = True
         for i, callback in enumerate(self.callbacks):
             key = self._key(i, callback)
             if key in saved:
@@ -288,9 +291,12 @@ def read_csv(path: str) -> list[dict]:
 
 
 def for_run(config, task) -> list[Callback]:
-    """A run's callbacks (see the module docstring): the CSV log, early stopping
-    with --early_stop_patience, --callbacks' registered ones, the task's own."""
+    """A run's callbacks (see the module docstring): the CSV log, TensorBoard's
+    HParams, Text and histograms, early stopping with --early_stop_patience,
+    --callbacks' registered ones, the task's own."""
     chosen: list[Callback] = [CsvLogger()]
+    from trainer import output  # (its callbacks import this module)
+    chosen += output.tensorboard_callbacks(config)
     if config.early_stop_patience:
         chosen.append(EarlyStopping(config.early_stop_patience, task.best_metric,
                                     task.higher_is_better, config.early_stop_min_delta))

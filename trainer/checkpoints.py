@@ -304,14 +304,14 @@ CALLBACKS = "callbacks"
 
 
 def restore_callbacks(callbacks, path: str) -> bool:
-    """The callbacks' state saved in checkpoint `path` (trainer/callbacks.py); False
-    with a warning if it holds none (saved before they had any: they start afresh)."""
-    if not any(name.startswith(f"{CALLBACKS}/") for name, _ in tf.train.list_variables(path)):
+    """The callbacks' state saved in checkpoint `path` (trainer/callbacks.py:
+    `Callbacks.restored` says whether it held any); False with a warning if not
+    (saved before they had any: they start afresh)."""
+    tf.train.Checkpoint(**{CALLBACKS: callbacks}).restore(path).expect_partial()
+    if not callbacks.restored:
         logging.warning("checkpoint %s holds no callback state; the callbacks (early "
                         "stopping, ...) start afresh", path)
-        return False
-    tf.train.Checkpoint(**{CALLBACKS: callbacks}).restore(path).expect_partial()
-    return True
+    return callbacks.restored
 
 
 def make_manager(model_dir: str, checkpoint: tf.train.Checkpoint, keep: int,
@@ -342,8 +342,11 @@ def _candidates(model_dir: str) -> list[str]:
     return sorted(paths, key=lambda p: int(p.rsplit("-", 1)[-1]), reverse=True)
 
 
-def restore_latest(checkpoint: tf.train.Checkpoint, model_dir: str) -> str | None:
+def restore_latest(checkpoint: tf.train.Checkpoint, model_dir: str,
+                   partial: bool = False) -> str | None:
     """Restores the newest readable checkpoint in model_dir, if any; returns its path.
+    partial: `checkpoint` holds only part of the run's state (e.g. the output model
+    to serve), and the rest of the file is not wanted (no warnings about it).
 
     An unreadable one is skipped with a warning naming it. A checkpoint of another
     model, or none readable at all, is a one-line CheckpointError.
@@ -352,6 +355,8 @@ def restore_latest(checkpoint: tf.train.Checkpoint, model_dir: str) -> str | Non
     for path in candidates:
         try:
             status = checkpoint.restore(path)
+            if partial:
+                status.expect_partial()
             status.assert_existing_objects_matched()
         except (AssertionError, ValueError) as err:
             raise CheckpointError(

@@ -7,8 +7,11 @@ per Config field) are trainer/run_flags.py's. Flags are read here and in the
 commands' mains, never by library code."""
 import logging as std_logging
 import os
+import re
+import shutil
 import signal
 import sys
+import textwrap
 from typing import Any, Callable
 
 from absl import app, flags, logging
@@ -56,8 +59,8 @@ def stop_at_once_on_signals() -> None:
 
 
 _PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_OURS = tuple(os.path.join(_PROJECT, package) + os.sep
-              for package in ("trainer", "data", "models"))
+_PACKAGES = ("trainer", "data", "models")
+_OURS = tuple(os.path.join(_PROJECT, package) + os.sep for package in _PACKAGES)
 
 
 class _QuietFilter(std_logging.Filter):
@@ -79,12 +82,23 @@ def quiet_library_logs(verbosity: int) -> None:
         handler.addFilter(_QuietFilter())
 
 
+# The flags define_flag defined, in order, each with its heading in --help (None:
+# the command's own, shown first).
+_HELP_TOPICS: dict[str, str | None] = {}
+HELP_ARGS = ("-h", "-help", "--help", "-helpshort", "--helpshort", "-?")
+
+
 def define_flag(flag_values: flags.FlagValues, definer: Callable, name: str,
-                default: Any, help: str, **kwargs: Any) -> bool:  # noqa: A002
+                default: Any, help: str, topic: str | None = None,  # noqa: A002
+                **kwargs: Any) -> bool:
     """Defines one flag unless `flag_values` has one of that name (commands share
     names such as --model_dir, and tests load several commands in one process).
-    The flag belongs to the calling command (--helpshort). Returns whether it was
-    defined."""
+    The flag belongs to the calling command (--helpshort); `topic` is its heading in
+    --help (None: the command's own; given again for a defined flag, it moves the
+    flag there). Returns whether it was defined."""
+    if name not in _HELP_TOPICS or topic is not None:
+        _HELP_TOPICS.pop(name, None)
+        _HELP_TOPICS[name] = topic
     if name in flag_values:
         return False
     caller = sys._getframe(1).f_globals["__name__"]  # noqa: SLF001
@@ -93,12 +107,61 @@ def define_flag(flag_values: flags.FlagValues, definer: Callable, name: str,
     return True
 
 
+def grouped_help(flag_values: flags.FlagValues, usage: str = "") -> str:
+    """--help: `usage` (the command's docstring), then every flag of the project's
+    code, once, under its topic (define_flag's; the command's own first), in the
+    order they were defined; absl's and TensorFlow's are --helpfull's."""
+    groups: dict[str, list[flags.Flag]] = {"": []}
+    for name, topic in _HELP_TOPICS.items():
+        if name in flag_values:
+            groups.setdefault(topic or "", []).append(flag_values[name])
+    for module, defined in flag_values.flags_by_module_dict().items():
+        if module.startswith(_OURS) or module.split(".")[0] in _PACKAGES:
+            groups[""] += [flag for flag in defined if flag.name not in _HELP_TOPICS]
+    lines = [usage.strip(), ""] if usage.strip() else []
+    for topic, members in groups.items():
+        if members:
+            lines.append(f"{topic or 'this command'}:")
+            lines += [_flag_help(flag) for flag in members]
+            lines.append("")
+    lines.append("--helpfull: every flag, absl's and TensorFlow's too, alphabetically.")
+    return "\n".join(lines)
+
+
+class _HelpWrapper(textwrap.TextWrapper):
+    """Wraps after a '|' too: 'a|b|c' lists of choices break between choices."""
+
+    def _split(self, text: str) -> list[str]:
+        return [piece for chunk in super()._split(text)
+                for piece in re.split(r"(?<=\|)", chunk) if piece]
+
+
+def _flag_help(flag: flags.Flag) -> str:
+    """'  --batch_size=1024: GLOBAL batch size, ...', wrapped to the terminal (at
+    most 100 columns)."""
+    default = flag.default_as_str or ""
+    if default[1:-1] and default[0] == default[-1] == "'" and " " not in default:
+        default = default[1:-1]  # (quoted only when empty or spaced)
+    name = f"--[no]{flag.name}" if flag.boolean else f"--{flag.name}"
+    shown = f"{name}={default}" if flag.default is not None else name
+    width = min(shutil.get_terminal_size().columns, 101) - 1
+    return _HelpWrapper(width, initial_indent="  ", subsequent_indent="    ").fill(
+        f"{shown}: {flag.help}")
+
+
 def parse_absl_flags(flag_values: flags.FlagValues, argv: list[str]) -> list[str]:
     """absl's parsing, but an unknown, malformed or missing required flag is one
     `error: ...` line on stderr and exit status 2, like every other user error;
     library logs (e.g. TF's SavedModel writer at INFO) only from WARNING unless
     --verbosity is given, each record once (TF's own stderr handler would repeat
-    what absl's prints). Needs no TensorFlow (the launcher starts without it)."""
+    what absl's prints); --help, -h and --helpshort print the command's flags by
+    topic (grouped_help) and exit 0. Needs no TensorFlow (the launcher starts
+    without it)."""
+    given = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+    if any(arg in HELP_ARGS for arg in given):
+        print(grouped_help(flag_values, getattr(sys.modules["__main__"], "__doc__", "")
+                           or ""))
+        sys.exit(0)
     try:
         argv = flag_values(argv)
     except flags.Error as err:
@@ -142,4 +205,5 @@ def import_user_code(flag_values: flags.FlagValues, argv: list[str]) -> None:
     define_flag(flag_values, flags.DEFINE_string, user_code.FLAG, "",
                 "Modules of your own to import first, 'MODULE[,MODULE]': they register "
                 "models, tasks and callbacks (trainer/user_code.py). A run records "
-                "them; commands on the run import them themselves.")
+                "them; commands on the run import them themselves.",
+                topic="your own code")  # (config.TOPICS' heading)

@@ -224,6 +224,55 @@ MAY_CHANGE_ON_RESUME = (
 
 FLAG_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.name != "task_settings")
 
+# Each flag's topic, the headings of --help in their order (trainer/cli.py); each
+# task's own settings show under their task, after "task". A new field needs a
+# topic here (tests/test_main.py checks every flag has one).
+TOPICS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "model_size", "model_options", "weights"),
+    "data": ("dataset", "train_split", "eval_split", "image_size", "augment",
+             "alternating_flip", "shuffle_buffer", "cache", "data_dir", "download_data"),
+    "task": ("task",),
+    "optimization": ("batch_size", "epochs", "train_steps", "optimizer",
+                     "optimizer_options", "learning_rate", "momentum", "lr_schedule",
+                     "warmup_epochs", "warmup_start_factor", "lr_decay_rate",
+                     "sustain_epochs", "min_learning_rate", "weight_decay",
+                     "decay_vectors", "lr_multipliers", "freeze_after_epochs"),
+    "the training step": ("clip_grad_norm", "grad_accum_steps", "sam_rho", "mixup_alpha",
+                          "cutmix_alpha", "lookahead_every", "lookahead_decay",
+                          "ema_decay", "on_nan", "seed", "deterministic"),
+    "devices": ("tpu", "require_tpu", "strategy", "cpu_replicas", "jit_compile",
+                "precision"),
+    "the loop": ("steps_per_loop", "log_every", "eval_every", "eval_batch_size",
+                 "early_stop_patience", "early_stop_min_delta"),
+    "run directory and outputs": ("model_dir", "checkpoint_every", "keep_checkpoints",
+                                  "resume_with_changes"),
+    "measuring": ("measure_peak", "profile_steps", "histograms"),
+    "your own code": ("imports", "callbacks"),
+}
+_TOPIC_OF = {field: topic for topic, fields in TOPICS.items() for field in fields}
+
+
+def help_topic(name: str) -> str:
+    """The --help heading of setting `name`: its TOPICS entry, or for a task's own
+    setting its task ('task gan'; 'task classification (also distill)'), else
+    'other'."""
+    if name in _TOPIC_OF:
+        return _TOPIC_OF[name]
+    owners = tasks.owners(name)
+    if not owners:
+        return "other"
+    return f"task {owners[0]}" + (f" (also {', '.join(owners[1:])})" if owners[1:] else "")
+
+
+def help_rank(name: str) -> float:
+    """Where setting `name`'s topic comes in --help: TOPICS' order, a task's own
+    settings right after "task", 'other' last."""
+    order = list(TOPICS)
+    topic = help_topic(name)
+    if topic in order:
+        return order.index(topic)
+    return order.index("task") + 0.5 if topic != "other" else len(order)
+
 
 def from_dict(values: dict) -> Config:
     """The Config of a run_config.json, also of runs from before tasks had their
@@ -266,7 +315,6 @@ def resolve(values: dict[str, Any], explicit: set[str]
     (`explicit`). Returns (config, origin of each recipe value), unvalidated but
     for the task's settings (a ConfigError if another task's is given)."""
     tasks.get(values["task"])  # a ConfigError listing the tasks if unknown
-    given = dict(values)
     values, origin = recipes.resolve(values, explicit, tasks.get(values["task"]).recipe)
     mine = tasks.setting_fields(values["task"])
     for name in tasks.all_setting_fields():
@@ -276,26 +324,44 @@ def resolve(values: dict[str, Any], explicit: set[str]
     if not values["model_dir"]:
         values["model_dir"] = default_model_dir(
             values["model"], values["dataset"], values["task"],
-            _changed_settings(given, values, explicit, tasks.get(values["task"]).recipe))
+            _changed_settings(values, explicit))
     config = Config(**{name: values[name] for name in FLAG_FIELDS},
                     task_settings=task_settings)
     config.task_options()  # the task's own checks
     return config, origin
 
 
-def _changed_settings(given: dict, values: dict, explicit: set[str], recipe
-                      ) -> dict[str, Any]:
+def recipe_values(model: str, dataset: str, task: str) -> dict[str, Any]:
+    """Every setting (the Config fields and every task's settings) as a run of this
+    model, dataset and task has it when no other is given: the defaults under the
+    task's recipe and the model's. What a run's own settings are told apart from
+    (its directory's name, summary.png's title, TensorBoard's settings table)."""
+    defaults = {**{f.name: f.default for f in dataclasses.fields(Config)
+                   if f.name in FLAG_FIELDS},
+                **{name: f.default for name, f in tasks.all_setting_fields().items()}}
+    values, _ = recipes.resolve({**defaults, "model": model, "dataset": dataset,
+                                 "task": task}, {"model", "dataset", "task"},
+                                tasks.get(task).recipe)
+    return values
+
+
+def changed_from_recipe(config: Config) -> dict[str, Any]:
+    """The settings of a run (its task's too) whose value is not what its model,
+    dataset and task train with by default (`recipe_values`), in field order, but
+    for where it reads and writes (model_dir, data_dir): e.g. {"seed": 1}."""
+    baseline = recipe_values(config.model, config.dataset, config.task)
+    values = {**config.as_dict(), **config.task_settings}
+    return {name: value for name, value in values.items()
+            if name not in ("model", "dataset", "task", "task_settings", "model_dir",
+                            "data_dir") and value != baseline.get(name)}
+
+
+def _changed_settings(values: dict, explicit: set[str]) -> dict[str, Any]:
     """The settings given on the command line that change what is trained: those
     whose value differs from what the same model, dataset and task would train
     with without them (their recipe, else the defaults)."""
     identity = ("model", "dataset", "task")
-    defaults = {**{f.name: f.default for f in dataclasses.fields(Config)
-                   if f.name in FLAG_FIELDS},
-                **{name: f.default for name, f in tasks.all_setting_fields().items()}}
-    without, _ = recipes.resolve(
-        {**given, **{name: defaults[name] for name in explicit
-                     if name in defaults and name not in identity}},
-        explicit & set(identity), recipe)
+    without = recipe_values(values["model"], values["dataset"], values["task"])
     return {name: values[name] for name in sorted(explicit)
             if name in values and name not in (*identity, *MAY_CHANGE_ON_RESUME)
             and values[name] != without.get(name)}
@@ -388,6 +454,11 @@ def validate(config: Config, model_names, dataset_names) -> Config:
     config.task_options()
     if not 0 < config.lr_decay_rate <= 1:
         raise ConfigError(f"--lr_decay_rate must be in (0, 1], got {config.lr_decay_rate}")
+    if config.lr_schedule == "range_test" and not 0 < config.min_learning_rate < (
+            config.learning_rate):
+        raise ConfigError(f"--lr_schedule=range_test climbs from --min_learning_rate to "
+                          f"--learning_rate: give 0 < min_learning_rate < learning_rate, "
+                          f"got {config.min_learning_rate} and {config.learning_rate}")
     if config.require_tpu and config.strategy not in ("auto", "tpu"):
         raise ConfigError(f"--require_tpu conflicts with --strategy={config.strategy}")
     return config

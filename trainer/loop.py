@@ -149,7 +149,8 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     logging.info("%.0f MFLOP per training image%s", flops_per_image / 1e6,
                  f"; the run's {precision} matmul peak {peak / 1e9:.0f} GFLOP/s"
                  if peak else "")
-    restored = checkpoints.restore_latest(checkpoint, config.model_dir)
+    # (partial: the file also holds the callbacks' state, restored below)
+    restored = checkpoints.restore_latest(checkpoint, config.model_dir, partial=True)
     # state.step is the one step counter: schedules, data position, draws, logs.
     start_step = int(state.step.numpy())
     if restored:

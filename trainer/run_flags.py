@@ -37,10 +37,12 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     field. Only a command's main reads them."""
     definers = {str: flags.DEFINE_string, int: flags.DEFINE_integer,
                 float: flags.DEFINE_float, bool: flags.DEFINE_bool}
-    for field in _setting_fields():
+    # In --help's order: by topic (config.TOPICS; a task's settings under it).
+    for field in sorted(_setting_fields(), key=lambda f: config_lib.help_rank(f.name)):
         kind = type(field.default) if field.default is not None else str
         cli.define_flag(flag_values, definers[kind], flag_name(field.name),
-                        field.default, field.metadata["help"])
+                        field.default, field.metadata["help"],
+                        topic=config_lib.help_topic(field.name))
 
 
 def config_from_flags(flag_values: flags.FlagValues) -> config_lib.Config:

@@ -17,6 +17,12 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+# The live bar's fields by how long they stay as the terminal narrows: the ETAs
+# longest, the skipped-update count (also a warning line) first to go.
+(_ETA, _MAIN_METRIC, _METRIC, _LEARNING_RATE, _IMAGES_PER_SECOND, _FLOPS,
+ _SKIPPED) = range(7)
+
+
 class Progress:
     """Accumulates the step's metric sums for the log lines (every --log_every steps,
     off a terminal) or the live bar (on one); all rates use training time only.
@@ -100,10 +106,16 @@ class Progress:
         epoch_end = min(self.total_steps,
                         (step - 1) // self.steps_per_epoch * self.steps_per_epoch
                         + self.steps_per_epoch)
-        self.bars.update(step, f"{_format(means)}  lr {learning_rate:.3g}  "
-                               f"{rate:,.0f} img/s{self._flops_text(rate)}  "
-                               f"ETA epoch {self._eta(step, rate, epoch_end)} "
-                               f"run {self._eta(step, rate)}")
+        metrics = [(_MAIN_METRIC if index == 0 else _SKIPPED if key == "skipped"
+                    else _METRIC, f"{key} {value:.4f}")
+                   for index, (key, value) in enumerate(means.items())]
+        self.bars.update(step, [
+            *metrics, (_LEARNING_RATE, f"lr {learning_rate:.3g}"),
+            (_IMAGES_PER_SECOND, f"{rate:,.0f} img/s"),
+            (_FLOPS, self._flops_text(rate).strip()),
+            (_ETA, (f"ETA epoch {self._eta(step, rate, epoch_end)} "
+                    f"run {self._eta(step, rate)}",  # or, narrower:
+                    f"ETA {self._eta(step, rate, epoch_end)}/{self._eta(step, rate)}"))])
         if step % self.steps_per_epoch == 0:
             self._epoch = _Window()
 

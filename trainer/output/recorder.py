@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from data import files
+from trainer import config as config_lib
 from trainer.output import figures, summaries
 
 METRICS_FILE = "metrics.json"
@@ -100,7 +101,8 @@ class Recorder:
                 (lambda figure: task.draw_samples(figure, samples))
                 if samples and task.draws_samples() else None,
                 f"{self.title}: {self.describe(metrics)} (best {best:.4f}), "
-                f"{metrics['train_seconds']:.0f} s of training")
+                f"{metrics['train_seconds']:.0f} s of training"
+                + ("\n" + settings_line(self.config) if self.config is not None else ""))
             path = os.path.join(self.model_dir, SUMMARY_FILE)
             files.write_atomically(path, figures.png_bytes(fig))
             logging.info("Wrote %s, %s and TensorBoard summaries (tensorboard "
@@ -124,6 +126,18 @@ class Recorder:
         if self.is_chief:
             files.write_json(os.path.join(self.model_dir, METRICS_FILE), values)
         return values
+
+
+def settings_line(config: config_lib.Config, width: int = 150) -> str:
+    """'seed 1; not the recipe's: learning_rate=0.01, ...' for summary.png's title:
+    the seed, and the settings that differ from what the model, dataset and task
+    train with by default (config.changed_from_recipe), cut at `width` characters."""
+    changed = config_lib.changed_from_recipe(config)
+    changed.pop("seed", None)
+    line = f"seed {config.seed}; " + (
+        "not the recipe's: " + ", ".join(f"{name}={value}" for name, value in changed.items())
+        if changed else f"{config.model}'s recipe")
+    return line if len(line) <= width else line[:width - 1] + "…"
 
 
 def _before(history: list[dict], step: int) -> list[dict]:

@@ -27,9 +27,28 @@ def _tags(record: dict, prefix: str) -> dict[str, str]:
             if key not in _NOT_SCALARS and isinstance(value, (int, float))}
 
 
+@contextlib.contextmanager
+def write_errors_explained(model_dir: str) -> Iterator[None]:
+    """A full disk or a lost permission while writing summaries: files.WriteError,
+    one line (exit 5)."""
+    try:
+        yield
+    except tf.errors.OpError as err:
+        raise files.WriteError(
+            f"could not write the TensorBoard summaries in {model_dir} "
+            f"({files.reason_of(err)}); free space there or choose another "
+            f"--model_dir") from err
+
+
 def _png_image(fig) -> tf.Tensor:
-    """A figure as a [1, H, W, 4] uint8 image batch for tf.summary.image."""
-    return tf.image.decode_png(figures.png_bytes(fig, dpi=80), channels=4)[None]
+    """A figure as a [1, H, W, 4] uint8 image batch for tf.summary.image, with a
+    white strip below it 6% of its width high: TensorBoard's Images tab shows a
+    picture about 320 pixels wide with a scroll bar across its bottom 12 or so,
+    which hid the prediction grid's bottom row."""
+    image = tf.image.decode_png(figures.png_bytes(fig, dpi=80), channels=4)
+    strip = tf.fill([int(0.06 * int(image.shape[1])), image.shape[1], 4],
+                    tf.constant(255, tf.uint8))
+    return tf.concat([image, strip], axis=0)[None]
 
 
 class Writer:
@@ -42,16 +61,8 @@ class Writer:
                 os.path.join(model_dir, name)) for name in ("train", "eval")}
                 if enabled else {})
 
-    @contextlib.contextmanager
-    def _or_write_error(self) -> Iterator[None]:
-        """A full disk or a lost permission: files.WriteError, one line (exit 5)."""
-        try:
-            yield
-        except tf.errors.OpError as err:
-            raise files.WriteError(
-                f"could not write the TensorBoard summaries in {self._model_dir} "
-                f"({files.reason_of(err)}); free space there or choose another "
-                f"--model_dir") from err
+    def _or_write_error(self):
+        return write_errors_explained(self._model_dir)
 
     def train(self, record: dict) -> None:
         self._scalars("train", record, _tags(record, "train_"))

@@ -122,7 +122,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     A test calls this inside absl.testing.flagsaver: a required flag left defined
     would fail every later parse of FLAGS in the process."""
     cli.import_user_code(flag_values, sys.argv)
-    for name, text in (("model_dir", "A finished run's directory."),
+    for name, text in (("model_dir", "A training run's directory (one that has not "
+                        "finished: its best.weights.h5, else its newest checkpoint)."),
                        ("export_dir", "New directory to write the SavedModel to.")):
         if cli.define_flag(flag_values, flags.DEFINE_string, name, None, text):
             flags.mark_flag_as_required(name, flag_values)

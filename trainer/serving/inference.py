@@ -6,11 +6,12 @@ normalization). Used by predict, export and the pictures.
 import dataclasses
 import os
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
 from data import files, sources
-from trainer import build, checkpoints, inputs
+from trainer import averaging, build, checkpoints, inputs
 
 WEIGHTS_FILE, BEST_WEIGHTS_FILE = checkpoints.WEIGHTS_FILE, checkpoints.BEST_WEIGHTS_FILE
 
@@ -36,26 +37,66 @@ def decode_file(path: str) -> np.ndarray:
 
 
 class TrainedModel:
-    """The output model of a finished run (its task's: the classifier, a GAN's
-    generator, a mean teacher's teacher) and its task, rebuilt on this machine with
-    trainer/build.py from run_config.json and model.weights.h5 (the evaluated
-    weights: the average with --ema_decay)."""
+    """The output model of a run (its task's: the classifier, a GAN's generator, a
+    mean teacher's teacher) and its task, rebuilt on this machine with
+    trainer/build.py from run_config.json and the weights the run evaluated (the
+    average with --ema_decay): model.weights.h5 of a finished run; of one that has
+    not finished (stopped, or still training) best.weights.h5, else its newest
+    checkpoint's. `weights` names which, and a warning line says it when it is not
+    model.weights.h5."""
 
     def __init__(self, model_dir: str):
         config_path = os.path.join(model_dir, checkpoints.RUN_CONFIG)
-        weights_path = os.path.join(model_dir, WEIGHTS_FILE)
-        for path in (config_path, weights_path):
-            if not tf.io.gfile.exists(path):
-                raise InferenceError(f"{path} not found: --model_dir must be the "
-                                     f"directory of a finished training run")
+        if not tf.io.gfile.exists(config_path):
+            raise InferenceError(f"{config_path} not found: --model_dir must be the "
+                                 f"directory of a training run")
         self.config = build.config_of_run(model_dir)
         self.spec = build.model_input_spec(_dataset_spec(self.config.dataset, model_dir),
                                            self.config.model)
         self.image_size = inputs.image_shape(self.config, self.spec)[0]
-        run = build.build_run(self.config, self.spec, None, tf.distribute.get_strategy(),
-                              "float32", purpose=build.SERVE)  # (CPU inference)
+        final, best = (os.path.join(model_dir, name)
+                       for name in (WEIGHTS_FILE, BEST_WEIGHTS_FILE))
+        if tf.io.gfile.exists(final) or tf.io.gfile.exists(best):
+            run = self._build(build.SERVE)
+            if tf.io.gfile.exists(final):
+                run.output_model.load_weights(final)
+                self.weights = WEIGHTS_FILE
+            else:
+                run.output_model.load_weights(best)
+                self.weights = (f"{BEST_WEIGHTS_FILE} ({_best_step(model_dir)}the run has "
+                                f"no {WEIGHTS_FILE}: it has not finished)")
+        else:
+            run = self._from_checkpoint(model_dir)
         self.task, self.model = run.task, run.output_model
-        self.model.load_weights(weights_path)
+        if self.weights != WEIGHTS_FILE:
+            logging.warning("using %s", self.weights)
+
+    def _build(self, purpose: str, plan: build.Plan | None = None) -> build.Run:
+        return build.build_run(self.config, self.spec, plan, tf.distribute.get_strategy(),
+                               "float32", purpose=purpose)  # (CPU inference)
+
+    def _from_checkpoint(self, model_dir: str) -> build.Run:
+        """The run with its newest readable checkpoint restored, the output model
+        holding the weights evaluation uses (the average with --ema_decay)."""
+        # The average lives in the optimizer: then the state evaluation builds,
+        # which needs the data's size (as trainer.evaluate).
+        averaged = bool(self.config.ema_decay)
+        run = (self._build(build.EVALUATE, build.plan(self.config, self.spec, 1))
+               if averaged else self._build(build.SERVE))
+        path = checkpoints.restore_latest(checkpoints.training_checkpoint(run.state),
+                                          model_dir, partial=True)
+        if path is None:
+            raise InferenceError(
+                f"{model_dir} has no {WEIGHTS_FILE}, {BEST_WEIGHTS_FILE} or checkpoint "
+                f"yet: train the run longer (its first checkpoint comes after an epoch, "
+                f"or --checkpoint_every steps)")
+        with averaging.averaged_weights(run.state):
+            evaluated = run.output_model.get_weights()
+        run.output_model.set_weights(evaluated)  # (the raw weights came back)
+        self.weights = (f"{os.path.basename(path)} (step {int(run.state.step.numpy())}; "
+                        f"the run has no {WEIGHTS_FILE} or {BEST_WEIGHTS_FILE}: it has "
+                        f"not finished)")
+        return run
 
     def serve(self, images: list) -> dict[str, np.ndarray]:
         """The task's serving outputs (e.g. class probabilities) for images of any
@@ -64,6 +105,17 @@ class TrainedModel:
                           for image in images])
         return {key: np.asarray(value)
                 for key, value in self.task.serve_images(self.model, batch).items()}
+
+
+def _best_step(model_dir: str) -> str:
+    """'step 300; ': the step of the run's best evaluation, from its metrics.json
+    ('' if that does not say)."""
+    try:
+        step = files.read_json(os.path.join(model_dir, checkpoints.METRICS_FILE),
+                               dict).get("best_step")
+    except files.BadFileError:
+        return ""
+    return f"step {step}; " if step is not None else ""
 
 
 def _dataset_spec(name: str, model_dir: str) -> sources.DatasetSpec:

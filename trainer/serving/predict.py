@@ -4,8 +4,9 @@
     python -m trainer.serving.predict --dataset=cifar10 --index=111        # a test image
 
 Rebuilds the run's output model and its task from DIR/run_config.json and
-DIR/model.weights.h5 (written by trainer.main; default DIR: the one trainer.main
-trains --model in, runs/<model>_<the model's recipe's dataset, or --dataset>),
+DIR/model.weights.h5 (written by trainer.main; on a run that has not finished,
+best.weights.h5 or the newest checkpoint, said in one line; default DIR: the one
+trainer.main trains --model in, runs/<model>_<the model's recipe's dataset, or --dataset>),
 resizes each image to the model's size as evaluation does, and prints what the
 run's task makes of it: a classifier its top classes with their names and
 probabilities; an autoencoder writes the reconstruction as an image file (in
@@ -105,10 +106,11 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     --dataset, --model_dir and --data_dir share their names and types with
     trainer.main's: in one process, whichever command defined them first owns them."""
     cli.import_user_code(flag_values, sys.argv)
-    cli.define_flag(flag_values, flags.DEFINE_string, "model_dir", "", "A finished run's "
-                    "directory (default: the one trainer.main trains --task and --model in, "
-                    "runs/<model>_<dataset>[_<task>], the dataset being --dataset or the "
-                    "recipe's).")
+    cli.define_flag(flag_values, flags.DEFINE_string, "model_dir", "", "A training run's "
+                    "directory (one that has not finished: its best.weights.h5, else its "
+                    "newest checkpoint; default: the one trainer.main trains --task and "
+                    "--model in, runs/<model>_<dataset>[_<task>], the dataset being "
+                    "--dataset or the recipe's).")
     cli.define_flag(flag_values, flags.DEFINE_string, "model", config_lib.Config().model,
                     "Only to find the default --model_dir.")
     cli.define_flag(flag_values, flags.DEFINE_string, "task", config_lib.Config().task,

@@ -3,14 +3,18 @@
     python -m trainer.tools.compare_runs --runs=runs/airbench_s0,runs/airbench_s1 \\
         [--groups=all_on=runs/a_s*,no_lookahead=runs/b_s*] [--target=0.92] [--plot=curves.png]
 
-Prints a Markdown table, one row per run (the final value of --metric, default
-the metric that picked the runs' best weights, e.g. test_accuracy or an
-autoencoder's test_loss; training seconds, img/s, GFLOP/s, the first evaluation
-reaching --target and its training seconds), and with --groups one row per group
-(mean and spread over its runs, and the difference to the first group): an
-ablation table. --plot draws every run's metric against training seconds. Paths
-may be on any TF filesystem. Accuracies are shown in %.
+Prints a Markdown table, one row per run (the settings that differ between the
+runs, from each run's metrics.json, else its run_config.json; the final value of
+--metric, default the metric that picked the runs' best weights, e.g.
+test_accuracy or an autoencoder's test_loss; training seconds, img/s, GFLOP/s,
+the first evaluation reaching --target and its training seconds), and with
+--groups one row per group (mean and spread over its runs, and the difference to
+the first group): an ablation table. --plot draws every run's metric, every
+evaluation of it, against --x: epoch (default), step, or training seconds (which
+vary with the machine's load: identical work took 101-162 s on a busy machine).
+Paths may be on any TF filesystem. Accuracies are shown in %.
 """
+import functools
 import json
 import os
 import statistics
@@ -23,13 +27,35 @@ cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 from absl import flags  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from trainer import checkpoints  # noqa: E402
+
 
 FLAGS = flags.FLAGS
+X_AXES = {"epoch": ("epoch", "epoch"), "step": ("step", "step"),
+          "seconds": ("train_seconds", "training seconds")}  # --x: (key, label)
+NOT_COMPARED = ("model_dir", "data_dir")  # where a run is, not what it is
 
 
 def load(run_dir: str) -> dict:
+    """A run's metrics.json, with its "settings" flat (the task's own too; a
+    running run's, which has none yet, from its run_config.json)."""
     with tf.io.gfile.GFile(os.path.join(run_dir, "metrics.json")) as f:
-        return json.load(f)
+        metrics = json.load(f)
+    settings = metrics.get("settings")
+    config_path = os.path.join(run_dir, checkpoints.RUN_CONFIG)
+    if not settings and tf.io.gfile.exists(config_path):
+        with tf.io.gfile.GFile(config_path) as f:
+            settings = json.load(f)
+    metrics["settings"] = checkpoints.comparable_settings(settings) if settings else {}
+    return metrics
+
+
+def differing_settings(runs: dict[str, dict]) -> list[str]:
+    """The settings whose values are not the same in all the runs (one unknown
+    to a run counts as a difference), in the first run's order."""
+    names = dict.fromkeys(name for m in runs.values() for name in m.get("settings", {}))
+    return [name for name in names if name not in NOT_COMPARED and len(
+        {json.dumps(m.get("settings", {}).get(name)) for m in runs.values()}) > 1]
 
 
 def metric_of(runs: list[dict], metric: str) -> tuple[str, bool]:
@@ -60,12 +86,17 @@ def first_at(metrics: dict, target: float, metric: str = "test_accuracy",
 
 def run_rows(runs: dict[str, dict], target: float, metric: str = "test_accuracy",
              higher: bool = True) -> list[str]:
-    rows = [f"| run | {metric.replace('_', ' ')} | train s | img/s | GFLOP/s | first eval "
+    """One row per run: its settings that differ between the runs, then how it did."""
+    settings = differing_settings(runs)
+    rows = [f"| run | {''.join(f'{name} | ' for name in settings)}"
+            f"{metric.replace('_', ' ')} | train s | img/s | GFLOP/s | first eval "
             f"{'>=' if higher else '<='} {_text(metric, target)} (epoch, train s) |",
-            "| --- | ---: | ---: | ---: | ---: | --- |"]
+            f"| --- | {'--- | ' * len(settings)}---: | ---: | ---: | ---: | --- |"]
     for name, m in runs.items():
         hit = first_at(m, target, metric, higher)
-        rows.append(f"| {name} | {_text(metric, m[metric])} | "
+        values = "".join(f"{m.get('settings', {}).get(setting, '')} | "
+                         for setting in settings)
+        rows.append(f"| {name} | {values}{_text(metric, m[metric])} | "
                     f"{m['train_seconds']:.0f} | {m['images_per_second']:.0f} | "
                     f"{m.get('gflops_per_second', 0):.0f} | "
                     + (f"epoch {hit['epoch']:.1f}, {hit['train_seconds']:.0f} s |" if hit
@@ -94,24 +125,33 @@ def group_rows(groups: dict[str, list[dict]], metric: str = "test_accuracy") -> 
     return rows
 
 
+def curve(metrics: dict, metric: str, x: str = "epoch") -> list[tuple[float, float]]:
+    """(x, value) of every evaluation of `metric` in a run (x: a key of X_AXES)."""
+    key = X_AXES[x][0]
+    return [(r[key], _shown(metric, r[metric])) for r in metrics["eval_history"]
+            if metric in r and key in r]
+
+
 def plot(runs: dict[str, dict], path: str, target: float,
-         metric: str = "test_accuracy") -> None:
+         metric: str = "test_accuracy", x: str = "epoch"):
+    """Writes every run's curve, whole (the axes fit all its evaluations), and the
+    target; returns the Figure."""
     from data import files
     from trainer.output import figures
     fig = figures.mpl_figure.Figure(figsize=(7, 4), layout="constrained")
     ax = fig.subplots()
     for name, m in runs.items():
-        history = [r for r in m["eval_history"] if metric in r]
-        ax.plot([r["train_seconds"] for r in history],
-                [_shown(metric, r[metric]) for r in history], marker="o", label=name)
-    ax.axhline(_shown(metric, target), color="grey", linestyle="--", linewidth=1)
-    ax.set(xlabel="training seconds", ylabel=metric.replace("_", " ")
+        points = curve(m, metric, x)
+        if points:
+            ax.plot(*zip(*points), marker="o", markersize=3, label=name)
+    ax.axhline(_shown(metric, target), color="grey", linestyle="--", linewidth=1,
+               label=f"target {_text(metric, target)}")
+    ax.set(xlabel=X_AXES[x][1], ylabel=metric.replace("_", " ")
            + (" %" if "accuracy" in metric else ""))
-    if "accuracy" in metric:
-        ax.set(ylim=(max(0, 100 * target - 30), 100))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     files.write_atomically(path, figures.png_bytes(fig))
+    return fig
 
 
 def main(argv: list[str]) -> None:
@@ -136,19 +176,30 @@ def main(argv: list[str]) -> None:
             print("\n".join(run_rows(runs, FLAGS.target, metric, higher)) + "\n")
         if groups:
             print("\n".join(group_rows(groups, metric)))
-    except (FileNotFoundError, tf.errors.NotFoundError, KeyError) as err:
-        sys.exit(f"error: {err}")
+    except (FileNotFoundError, tf.errors.NotFoundError, KeyError,
+            json.JSONDecodeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     if FLAGS.plot and runs:
-        plot(runs, FLAGS.plot, FLAGS.target, metric)
+        plot(runs, FLAGS.plot, FLAGS.target, metric, FLAGS.x)
+
+
+def define_flags() -> None:
+    define = functools.partial(cli.define_flag, FLAGS)
+    define(flags.DEFINE_string, "runs", "", "Comma-separated run directories (model_dir).")
+    define(flags.DEFINE_string, "groups", "", "Comma-separated NAME=GLOB of run "
+           "directories, e.g. no_lookahead=runs/nolookahead_s*: an ablation table.")
+    define(flags.DEFINE_float, "target", 0.92, "Value of --metric whose first reaching "
+           "is reported (an accuracy as a fraction).")
+    define(flags.DEFINE_string, "metric", "", "The eval metric to compare, e.g. "
+           "test_accuracy (default: the one that picked the runs' best weights).")
+    define(flags.DEFINE_string, "plot", "", "Write the runs' curves of --metric here "
+           "(a PNG).")
+    define(flags.DEFINE_enum, "x", "epoch", "The plot's x-axis: epoch, step, or "
+           "seconds (of training; these vary with the machine's load).",
+           enum_values=list(X_AXES))
 
 
 if __name__ == "__main__":
-    flags.DEFINE_string("runs", "", "Comma-separated run directories (model_dir).")
-    flags.DEFINE_string("groups", "", "Comma-separated NAME=GLOB of run directories, "
-                        "e.g. no_lookahead=runs/nolookahead_s*: an ablation table.")
-    flags.DEFINE_float("target", 0.92, "Value of --metric whose first reaching is "
-                       "reported (an accuracy as a fraction).")
-    flags.DEFINE_string("metric", "", "The eval metric to compare, e.g. test_accuracy "
-                        "(default: the one that picked the runs' best weights).")
-    flags.DEFINE_string("plot", "", "Write the runs' accuracy-vs-seconds curves here.")
+    define_flags()
     cli.run(main)
