@@ -402,9 +402,7 @@ def report(result: CheckResult, config: config_lib.Config, num_steps: int) -> st
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
-        sys.exit(2)
+    cli.refuse_arguments(argv)
     try:
         devices = strategy_lib.split_cpu(2)  # before anything starts TensorFlow
         config = run_flags.config_from_flags(FLAGS)

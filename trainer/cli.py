@@ -207,3 +207,12 @@ def import_user_code(flag_values: flags.FlagValues, argv: list[str]) -> None:
                 "models, tasks and callbacks (trainer/user_code.py). A run records "
                 "them; commands on the run import them themselves.",
                 topic="your own code")  # (config.TOPICS' heading)
+
+
+def refuse_arguments(argv: list[str]) -> None:
+    """A command that takes only flags: anything left after them (a typo such as
+    `--lr 0.1` leaves `0.1`) is one `error:` line and exit 2."""
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {argv[1:]}; flags look like --name=value",
+              file=sys.stderr)
+        sys.exit(2)

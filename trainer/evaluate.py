@@ -210,9 +210,7 @@ def evaluate_checkpoints(model_dir: str, output_dir: str, checkpoint: str | None
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
-        sys.exit(2)
+    cli.refuse_arguments(argv)
     logging.set_verbosity(max(logging.INFO, FLAGS.verbosity))
     cli.quiet_library_logs(FLAGS.verbosity)
     if not FLAGS.model_dir:

@@ -63,10 +63,7 @@ def _leave_without_tensorflow_shutdown() -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        print(f"error: unexpected arguments {argv[1:]}; flags look like --name=value",
-              file=sys.stderr)
-        sys.exit(2)
+    cli.refuse_arguments(argv)
     logging.set_verbosity(max(logging.INFO, FLAGS.verbosity))
     cli.quiet_library_logs(FLAGS.verbosity)
     # TF's own stderr handler would print its records a second time (absl's prints

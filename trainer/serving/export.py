@@ -130,10 +130,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        print(f"error: unexpected arguments {argv[1:]}; flags look like --name=value",
-              file=sys.stderr)
-        sys.exit(2)
+    cli.refuse_arguments(argv)
     tf.config.set_visible_devices([], "GPU")
     try:
         path = export(FLAGS.model_dir, FLAGS.export_dir)

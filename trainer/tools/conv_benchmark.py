@@ -171,9 +171,7 @@ def table(results: dict, shapes, batch: int) -> str:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
-        sys.exit(2)
+    cli.refuse_arguments(argv)
     widths = [int(w) for w in FLAGS.widths]
     shapes = layers(widths)
     if FLAGS.side == "tf":

@@ -83,10 +83,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        print(f"error: unexpected arguments {argv[1:]}; flags look like --name=value",
-              file=sys.stderr)
-        sys.exit(2)
+    cli.refuse_arguments(argv)
     try:
         result = run(FLAGS.epochs, FLAGS.batch_size, FLAGS.precision, FLAGS.data_dir)
     except sources.DatasetError as err:

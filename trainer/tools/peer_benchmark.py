@@ -157,9 +157,7 @@ def peer_ops(profile: dict, top: int = 15) -> str:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
-        sys.exit(2)
+    cli.refuse_arguments(argv)
     work_dir = FLAGS.work_dir
     tf.io.gfile.makedirs(os.path.join(work_dir, "logs"))
     if not set(FLAGS.sides) <= {"peer", "ours"}:
