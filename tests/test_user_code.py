@@ -210,3 +210,19 @@ def test_any_keras_model_registers_with_one_call(kind):
         assert Config().model != name
     finally:
         models._REGISTRY.pop(name)
+
+
+def test_an_installed_packages_entry_point_is_imported_by_every_command(tmp_path,
+                                                                        monkeypatch):
+    # What `pip install` of a package with a "tfloop.plugins" entry point leaves.
+    (tmp_path / "my_plugin.py").write_text("LOADED = True\n")
+    info = tmp_path / "my_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[tfloop.plugins]\nmy_plugin = my_plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert "my_plugin" in user_code.import_entry_points()
+        assert sys.modules["my_plugin"].LOADED
+    finally:
+        sys.modules.pop("my_plugin", None)
