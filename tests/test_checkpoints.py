@@ -1,4 +1,5 @@
 """Checkpoints: save/restore, resume, and never clobbering another run."""
+import json
 import os
 
 import numpy as np
@@ -134,3 +135,25 @@ def test_a_save_that_fails_leaves_no_temp_and_names_the_last_good_one(tmp_path, 
     for name, data in good.items():
         assert (model_dir / name).read_bytes() == data
     assert tf.train.latest_checkpoint(str(model_dir)).endswith("ckpt-2")
+
+
+def test_a_run_config_the_chief_writes_between_the_two_looks_is_a_run(tmp_path,
+                                                                       monkeypatch):
+    # A worker checks the directory as the chief writes run_config.json: its first
+    # look (exists) finds none, its second (listdir) finds it. Seen in .ci/run: the
+    # second worker refused the directory, "holds files that are not a run's
+    # (run_config.json)", and the 2-worker run failed.
+    from trainer.config import Config
+    settings = Config(model_dir=str(tmp_path)).as_dict()
+    (tmp_path / checkpoints.RUN_CONFIG).write_text(json.dumps(settings))
+    real_exists = tf.io.gfile.exists
+    looks = []
+
+    def first_look_misses(path):
+        if path.endswith(checkpoints.RUN_CONFIG) and not looks:
+            looks.append(path)
+            return False
+        return real_exists(path)
+    monkeypatch.setattr(tf.io.gfile, "exists", first_look_misses)
+    assert checkpoints.check_previous_run(str(tmp_path), settings) == []
+    assert looks  # (the race was played)

@@ -134,13 +134,15 @@ def check_previous_run(model_dir: str, run_config: dict
         others = [n.rstrip("/") for n in (tf.io.gfile.listdir(model_dir)
                                           if tf.io.gfile.isdir(model_dir) else [])
                   if n.rstrip("/") not in _NOT_A_RUNS_OWN]
-        if others:
-            listed = ", ".join(sorted(others)[:4]) + (", ..." if len(others) > 4 else "")
-            raise CheckpointError(
-                f"--model_dir={model_dir} holds files that are not a run's ({listed}) "
-                f"and no {RUN_CONFIG}; give a new or empty directory (nothing in it "
-                f"was touched)")
-        return []
+        if RUN_CONFIG not in others:  # (else another worker, the chief, wrote it
+            if others:  # between the two looks: it is checked as any run's below)
+                listed = ", ".join(sorted(others)[:4]) + (", ..." if len(others) > 4
+                                                          else "")
+                raise CheckpointError(
+                    f"--model_dir={model_dir} holds files that are not a run's "
+                    f"({listed}) and no {RUN_CONFIG}; give a new or empty directory "
+                    f"(nothing in it was touched)")
+            return []
     recorded = read_run_config(model_dir)
     for key, now, before in [
             *((k, _value(run_config, k), _value(recorded, k)) for k in _MUST_MATCH),
