@@ -88,7 +88,6 @@ class Histograms(callbacks.Callback):
                 self.writer.as_default(step=step):
             for tag, variable in _tags(state):
                 tf.summary.histogram(f"weights/{tag}", tf.cast(variable.value, tf.float32))
-            for tag, variable in _tags(state):
                 if id(variable) in gradient_of:
                     tf.summary.histogram(f"gradients/{tag}",
                                          tf.cast(gradient_of[id(variable)], tf.float32))

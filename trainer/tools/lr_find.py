@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from data import files  # noqa: E402
-from trainer import callbacks, faults, locks, loop, run_flags  # noqa: E402
+from trainer import callbacks, faults, locks, loop, run_flags, schedules  # noqa: E402
 from trainer.output import figures  # noqa: E402
 from trainer.settings import message_of  # noqa: E402
 
@@ -43,19 +43,21 @@ class RangeTest(callbacks.Callback):
     name = "range_test"
 
     def __init__(self, lr_min: float, lr_max: float, steps: int):
-        self.lr_min, self.lr_max, self.steps = lr_min, lr_max, steps
+        # The run's own schedule (trainer/schedules.py, range_test), read again here.
+        self.schedule = schedules.WarmupSchedule("range_test", lr_max, steps, 1,
+                                                 floor=lr_min)
         self.rates: list[float] = []
         self.losses: list[float] = []
         self.smoothed: list[float] = []
+        self._average, self._finite = 0.0, 0  # the EMA of the finite losses so far
 
     def on_train_begin(self, context: callbacks.Context) -> None:
         self.context = context
 
     def rate_of_step(self, step: int) -> float:
         """The learning rate step `step` (1-based) trained with: the schedule's at
-        the step counter before it (trainer/schedules.py, range_test)."""
-        progress = min((step - 1) / max(1, self.steps - 1), 1.0)
-        return self.lr_min * (self.lr_max / self.lr_min) ** progress
+        the step counter before it."""
+        return float(self.schedule(step - 1))
 
     def on_log(self, step: int, metrics: dict) -> None:
         loss = float(metrics.get("train_loss", math.nan))
@@ -65,11 +67,9 @@ class RangeTest(callbacks.Callback):
             self.context.request_stop(f"the loss is not finite at learning rate "
                                       f"{self.rates[-1]:.3g}")
             return
-        finite = [v for v in self.losses if math.isfinite(v)]
-        average = 0.0
-        for value in finite:  # bias-corrected EMA, as fastai's
-            average = SMOOTHING * average + (1 - SMOOTHING) * value
-        self.smoothed.append(average / (1 - SMOOTHING ** len(finite)))
+        self._average = SMOOTHING * self._average + (1 - SMOOTHING) * loss
+        self._finite += 1  # bias-corrected, as fastai's
+        self.smoothed.append(self._average / (1 - SMOOTHING ** self._finite))
         if len(self.smoothed) > 5 and self.smoothed[-1] > DIVERGED * min(self.smoothed):
             self.context.request_stop(f"the loss diverged at learning rate "
                                       f"{self.rates[-1]:.3g}")
