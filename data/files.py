@@ -38,6 +38,12 @@ def is_temporary(name: str) -> bool:
     return bool(_TEMPORARY.search(os.path.basename(name.rstrip("/"))))
 
 
+def final_name(name: str) -> str:
+    """The name a temporary of ours (`<name>.tmp-<hex>`) will be renamed to; any
+    other name as it is."""
+    return _OUR_SUFFIX.sub("", name)
+
+
 def reason_of(err: Exception) -> str:
     """The cause in an OS or TensorFlow error, one short line ("No space left on
     device"), without TF's '{{function_node ...}}' prefix and path."""

@@ -157,3 +157,21 @@ def test_a_run_config_the_chief_writes_between_the_two_looks_is_a_run(tmp_path,
     monkeypatch.setattr(tf.io.gfile, "exists", first_look_misses)
     assert checkpoints.check_previous_run(str(tmp_path), settings) == []
     assert looks  # (the race was played)
+
+
+def test_a_run_config_the_chief_is_writing_is_a_new_run_not_foreign_files(tmp_path):
+    # The chief writes run_config.json to a temporary, then renames it; a worker
+    # that looks in between sees only the temporary. Seen in the suite: the second
+    # worker refused "holds files that are not a run's (run_config.json.tmp-...)".
+    from data import files
+    from trainer.config import Config
+    settings = Config(model_dir=str(tmp_path)).as_dict()
+    (tmp_path / "writer.lock").write_text("")
+    writing = files.temporary_name(str(tmp_path / checkpoints.RUN_CONFIG))
+    with open(writing, "w") as f:
+        f.write(json.dumps(settings)[:10])  # half written
+    assert checkpoints.check_previous_run(str(tmp_path), settings) == []
+    # A user's file beside it is still refused, and so is a temporary of theirs.
+    (tmp_path / "notes.txt.tmp-" f"{'0' * 32}").write_text("")
+    with pytest.raises(checkpoints.CheckpointError, match="notes.txt.tmp-"):
+        checkpoints.check_previous_run(str(tmp_path), settings)

@@ -131,9 +131,13 @@ def check_previous_run(model_dir: str, run_config: dict
     from trainer import config as config_lib
     _refuse_links(model_dir)
     if not tf.io.gfile.exists(os.path.join(model_dir, RUN_CONFIG)):
+        # (A temporary of run_config.json: the chief writing it as this worker
+        # looks; a new run, as the chief's. Seen in .ci/run: "holds files that are
+        # not a run's (run_config.json.tmp-...)", and the 2-worker run failed.)
         others = [n.rstrip("/") for n in (tf.io.gfile.listdir(model_dir)
                                           if tf.io.gfile.isdir(model_dir) else [])
-                  if n.rstrip("/") not in _NOT_A_RUNS_OWN]
+                  if files.final_name(n.rstrip("/")) not in (*_NOT_A_RUNS_OWN, RUN_CONFIG)
+                  or n.rstrip("/") == RUN_CONFIG]
         if RUN_CONFIG not in others:  # (else another worker, the chief, wrote it
             if others:  # between the two looks: it is checked as any run's below)
                 listed = ", ".join(sorted(others)[:4]) + (", ..." if len(others) > 4
