@@ -25,6 +25,30 @@ _NO_GRAPPLER = {"disable_meta_optimizer": True}
 tf.config.optimizer.set_experimental_options(_NO_GRAPPLER)
 
 
+@pytest.fixture(autouse=True)
+def _figures_left_blank(request, monkeypatch):
+    """Matplotlib's drawing is a tenth of a tiny run's CPU (summary.png and each
+    evaluation's TensorBoard pictures: 0.6 s of 6.5), and a hundred runs here check
+    what the run computes and writes, not what its pictures show. They get blank
+    PNGs of each figure's size; the figures are still made (their data and
+    layout), only not drawn. Tests of what a picture shows are marked
+    `@pytest.mark.figures` (tests/test_outputs.py), and every test that starts a
+    command as a process draws as users see it."""
+    if request.node.get_closest_marker("figures"):
+        return
+    from trainer.output import figures
+    monkeypatch.setattr(figures, "png_bytes", _blank_png)
+
+
+def _blank_png(fig, dpi: int = 100) -> bytes:
+    import io
+    from PIL import Image
+    width, height = (int(round(v * dpi)) for v in fig.get_size_inches())
+    buffer = io.BytesIO()
+    Image.new("RGBA", (width, height), "white").save(buffer, format="png")
+    return buffer.getvalue()
+
+
 @pytest.fixture
 def grappler():
     """TensorFlow's default graph rewrites for one test: a test that compares

@@ -95,6 +95,7 @@ def test_an_unknown_callback_is_one_error_naming_the_registered_ones(tiny_config
                             ("synthetic",))
 
 
+@pytest.mark.figures
 def test_lr_find_climbs_until_the_loss_diverges_and_suggests_a_rate(tmp_path, command):
     status, out, log = command(
         "trainer.tools.lr_find", "--model=cifar_cnn", "--model_size=tiny",

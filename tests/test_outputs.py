@@ -20,6 +20,8 @@ from trainer import loop
 from trainer.output import progress as reporting, progress_bar
 from trainer.serving import export, predict
 
+pytestmark = pytest.mark.figures  # (conftest: other tests get blank PNGs)
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
