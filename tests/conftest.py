@@ -1,5 +1,6 @@
 """Shared fixtures. Two logical CPU devices are made once, before TensorFlow starts,
 so MirroredStrategy can run 2 replicas on any machine."""
+import gc
 import logging
 import os
 
@@ -23,6 +24,14 @@ CPUS = [d.name for d in tf.config.list_logical_devices("CPU")]
 # multi-worker, CLI and benchmark tests) runs with TensorFlow's defaults, as users do.
 _NO_GRAPPLER = {"disable_meta_optimizer": True}
 tf.config.optimizer.set_experimental_options(_NO_GRAPPLER)
+
+# Python's garbage collector in a test worker: the imports' objects (TensorFlow,
+# Keras) are set aside for good instead of scanned by every full collection, and a
+# collection waits for 50,000 new objects instead of 700 (tracing makes millions).
+# test_check_step + test_research: 158.8 s -> 151.1 s of user CPU.
+gc.collect()
+gc.freeze()
+gc.set_threshold(50_000, 20, 20)
 
 
 @pytest.fixture(autouse=True)
