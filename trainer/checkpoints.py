@@ -132,8 +132,8 @@ def check_previous_run(model_dir: str, run_config: dict
     _refuse_links(model_dir)
     if not tf.io.gfile.exists(os.path.join(model_dir, RUN_CONFIG)):
         # (A temporary of run_config.json: the chief writing it as this worker
-        # looks; a new run, as the chief's. Seen in .ci/run: "holds files that are
-        # not a run's (run_config.json.tmp-...)", and the 2-worker run failed.)
+        # looks; a new run, as the chief's. Seen in the suite: "holds files that
+        # are not a run's (run_config.json.tmp-...)"; the 2-worker run failed.)
         others = [n.rstrip("/") for n in (tf.io.gfile.listdir(model_dir)
                                           if tf.io.gfile.isdir(model_dir) else [])
                   if files.final_name(n.rstrip("/")) not in (*_NOT_A_RUNS_OWN, RUN_CONFIG)
