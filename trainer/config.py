@@ -203,6 +203,13 @@ class Config:
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
 
+    def settings(self) -> dict[str, Any]:
+        """Every setting, flat, in field order: the Config fields and the task's own
+        settings given (task_settings) in its place."""
+        values = {**self.as_dict(), **self.task_settings}
+        values.pop("task_settings")
+        return values
+
     def with_settings(self, **settings: Any) -> "Config":
         """The same run with some of its task's settings changed."""
         return self.replace(task_settings={**self.task_settings, **settings})
@@ -350,10 +357,9 @@ def changed_from_recipe(config: Config) -> dict[str, Any]:
     dataset and task train with by default (`recipe_values`), in field order, but
     for where it reads and writes (model_dir, data_dir): e.g. {"seed": 1}."""
     baseline = recipe_values(config.model, config.dataset, config.task)
-    values = {**config.as_dict(), **config.task_settings}
-    return {name: value for name, value in values.items()
-            if name not in ("model", "dataset", "task", "task_settings", "model_dir",
-                            "data_dir") and value != baseline.get(name)}
+    return {name: value for name, value in config.settings().items()
+            if name not in ("model", "dataset", "task", "model_dir", "data_dir")
+            and value != baseline.get(name)}
 
 
 def _changed_settings(values: dict, explicit: set[str]) -> dict[str, Any]:

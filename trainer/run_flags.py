@@ -57,7 +57,7 @@ def config_from_flags(flag_values: flags.FlagValues) -> config_lib.Config:
         {name: flag_values[flag_name(name)].value for name in names},
         {name for name in names if flag_values[flag_name(name)].present})
     if origin:
-        values = {**config.as_dict(), **config.task_settings}
+        values = config.settings()
         logging.info("Recipe for %s: %s", config.model, ", ".join(
             f"{name}={values[name]} ({source})" for name, source in origin.items()
             if name in values))

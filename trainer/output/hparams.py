@@ -32,17 +32,10 @@ DIRECTORY = "hparams"
 _NOT_METRICS = ("train_seconds", "wall_seconds", "test_examples")
 
 
-def settings_of(config: config_lib.Config) -> dict[str, Any]:
-    """The run's settings, flat (the task's own too), in field order."""
-    values = {**config.as_dict(), **config.task_settings}
-    values.pop("task_settings")
-    return values
-
-
 def hparams_of(config: config_lib.Config) -> dict[str, bool | int | float | str]:
     """The settings as HParams values: all but model_dir (the session is named
     after the run) and those unset (None)."""
-    return {name: value for name, value in settings_of(config).items()
+    return {name: value for name, value in config.settings().items()
             if name != "model_dir" and isinstance(value, (bool, int, float, str))}
 
 
@@ -84,7 +77,7 @@ def settings_markdown(config: config_lib.Config) -> str:
     then the others."""
     changed = config_lib.changed_from_recipe(config)
     baseline = config_lib.recipe_values(config.model, config.dataset, config.task)
-    values = settings_of(config)
+    values = config.settings()
     lines = [f"**{config.model}** on **{config.dataset}**, task {config.task}, "
              f"seed {config.seed}, in `{config.model_dir}`", ""]
     if changed:

@@ -56,13 +56,10 @@ class Writer:
 
     def __init__(self, model_dir: str, enabled: bool = True):
         self._model_dir = model_dir
-        with self._or_write_error():
+        with write_errors_explained(self._model_dir):
             self._writers = ({name: tf.summary.create_file_writer(
                 os.path.join(model_dir, name)) for name in ("train", "eval")}
                 if enabled else {})
-
-    def _or_write_error(self):
-        return write_errors_explained(self._model_dir)
 
     def train(self, record: dict) -> None:
         self._scalars("train", record, _tags(record, "train_"))
@@ -76,7 +73,8 @@ class Writer:
         self._scalars("eval", record, _tags(record, "test_"))
         if not self._writers:
             return
-        with self._or_write_error(), self._writers["eval"].as_default(step=record["step"]):
+        with write_errors_explained(self._model_dir), \
+                self._writers["eval"].as_default(step=record["step"]):
             for tag, figure in (pictures or {}).items():
                 tf.summary.image(tag, _png_image(figure))
             self._writers["eval"].flush()
@@ -84,13 +82,14 @@ class Writer:
     def _scalars(self, name: str, record: dict, tags: dict[str, str]) -> None:
         if not self._writers:
             return
-        with self._or_write_error(), self._writers[name].as_default(step=record["step"]):
+        with write_errors_explained(self._model_dir), \
+                self._writers[name].as_default(step=record["step"]):
             for key, tag in tags.items():
                 if key in record:
                     tf.summary.scalar(tag, record[key])
             self._writers[name].flush()
 
     def close(self) -> None:
-        with self._or_write_error():
+        with write_errors_explained(self._model_dir):
             for writer in self._writers.values():
                 writer.close()
