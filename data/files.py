@@ -11,6 +11,7 @@ import json
 import os
 import re
 from typing import Callable, Iterator
+from typing import Iterable
 import uuid
 
 import tensorflow as tf
@@ -62,6 +63,58 @@ def _remove_quietly(path: str) -> None:
             tf.io.gfile.remove(path)
     except (tf.errors.OpError, OSError):
         pass  # (the disk that failed the write may fail this too; the name is unique)
+
+
+class LinkError(ValueError):
+    """A path a command would write or delete goes through a symbolic link; the
+    message names the link and says what to do. Nothing was touched."""
+
+
+def links_on(path: str, within: Iterable[str] = ()) -> list[str]:
+    """The symbolic links that writing or deleting at `path` could pass: every
+    folder from the outermost of `within` (the run directories) that holds `path`
+    down to `path` itself, and everything below `path` (not followed). The folder
+    a user names (the run directory, an --output_dir outside it) may itself be a
+    link: it is where they put their run; nothing inside it may be. A filesystem
+    without links (gs://, ram://) has none."""
+    if "://" in path:
+        return []
+    path = os.path.abspath(path)
+    roots = [os.path.abspath(r) for r in within if r and "://" not in r]
+    holders = [r for r in roots if path == r or path.startswith(r.rstrip(os.sep) + os.sep)]
+    root = min(holders, key=len) if holders else path
+    found, folder = [], root
+    for part in ([] if path == root else os.path.relpath(path, root).split(os.sep)):
+        folder = os.path.join(folder, part)
+        if os.path.islink(folder):
+            return [folder]  # (what is beyond it is the link's target's)
+    for top, folders, names in os.walk(path):  # (followlinks=False)
+        found += [os.path.join(top, n) for n in sorted(folders + names)
+                  if os.path.islink(os.path.join(top, n))]
+    return found
+
+
+def refuse_links(path: str, within: Iterable[str] = (), flag: str = "") -> None:
+    """LinkError (one line, naming the first links and their targets) if writing or
+    deleting at `path` could reach outside it through a symbolic link
+    (`links_on`): the one guard of every command that writes under a run
+    directory, called before it writes or deletes anything."""
+    links = links_on(path, within)
+    if links:
+        shown = ", ".join(f"{shorter(link, 120)} -> {shorter(os.readlink(link), 80)}"
+                          for link in links[:3]) + (", ..." if len(links) > 3 else "")
+        named = f"{flag}={shorter(path, 120)}" if flag else shorter(path, 120)
+        raise LinkError(
+            f"{named} goes through symbolic link(s) ({shown}); a command writes and "
+            f"deletes only inside a run's own folders: remove the link(s)"
+            f"{f' or give another {flag}' if flag else ''} (nothing was touched)")
+
+
+def shorter(value, limit: int = 200) -> str:
+    """`value` as text, cut to about `limit` characters with its full length said
+    ('abc... (10,000,000 characters)'): what an error line echoes of a value."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 class BadFileError(ValueError):

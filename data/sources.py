@@ -60,6 +60,9 @@ class DatasetSpec:
     # Records without an index (the codelab's files): hold out whole files instead, the
     # last ceil(holdout_fraction x files) of the sorted files (see split_files).
     holdout_files: bool = False
+    # TFDS data: the data dir get_spec was given (None: $TFDS_DATA_DIR), where a
+    # message after a failed read looks for the file at fault (find_miscounted).
+    data_dir: str | None = None
 
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog",
@@ -115,7 +118,7 @@ def get_spec(name: str, data_dir: str | None = None, train_split: str = "",
     spec = _SPECS.get(name) or _SPECS.get(name.partition(":")[0])
     if spec is None:
         return tfds_spec(name, data_dir, train_split, eval_split)
-    spec = dataclasses.replace(spec, name=name)
+    spec = dataclasses.replace(spec, name=name, data_dir=data_dir)
     if spec.synthetic_sizes != (0, 0):
         if train_split or eval_split:
             raise DatasetError("the synthetic dataset has no splits to choose")
@@ -204,7 +207,7 @@ def tfds_spec(name: str, data_dir: str | None = None, train_split: str = "",
         std=(0.25,) * 3 if small else IMAGENET_STD,
         augment="pad_crop_flip" if small else "inception_crop",
         class_names=tuple(label.names), holdout_fraction=holdout,
-        variable_size=variable or height != width)
+        variable_size=variable or height != width, data_dir=data_dir)
 
 
 def parse_tfrecord_name(name: str) -> tuple[str, dict[str, str]]:
@@ -457,8 +460,9 @@ def record_files(spec: DatasetSpec, split: str, data_dir: str | None = None
                               data_dir, validation, channels)
 
 
-def _tfds_record_files(spec: DatasetSpec, split: str, data_dir: str | None,
-                       validation: bool, channels: int) -> RecordFiles | None:
+def _tfds_instructions(spec: DatasetSpec, split: str, data_dir: str | None):
+    """(builder, the split's file instructions), or None when TFDS has no files for
+    it here (not prepared, or mocked)."""
     tfds = _tfds()
     try:
         builder = tfds.builder(spec.name, data_dir=_tfds_dir(data_dir))
@@ -467,6 +471,16 @@ def _tfds_record_files(spec: DatasetSpec, split: str, data_dir: str | None,
         return None
     if not instructions or not all(tf.io.gfile.exists(i.filename) for i in instructions):
         return None
+    return builder, instructions
+
+
+def _tfds_record_files(spec: DatasetSpec, split: str, data_dir: str | None,
+                       validation: bool, channels: int) -> RecordFiles | None:
+    tfds = _tfds()
+    found = _tfds_instructions(spec, split, data_dir)
+    if found is None:
+        return None
+    builder, instructions = found
     image_key, label_key = builder.info.supervised_keys or ("image", "label")
     features = builder.info.features
     decoders = {image_key: tfds.decode.SkipDecoding()}
@@ -497,15 +511,89 @@ def describe_split(spec: DatasetSpec, validation: bool) -> str:
 
 
 def check_count(spec: DatasetSpec, validation: bool, read: int, promised: int) -> None:
-    """DatasetError (one line naming the data) unless `read` examples is the
-    `promised` count (TFDS' dataset_info.json, the TFRecord file names): a file cut
-    short at a record boundary reads without error, so only the count can tell."""
+    """DatasetError (one line naming the data, and the file at fault if one is)
+    unless `read` examples is the `promised` count (TFDS' dataset_info.json, the
+    TFRecord file names): a file cut short at a record boundary reads without error,
+    so only the count can tell."""
     if read != promised:
+        problem = miscounted_file(spec, validation) or "a file is missing or cut short"
         raise DatasetError(
             f"{describe_split(spec, validation)} promise {promised} "
             f"{'evaluation' if validation else 'training'} examples but {read} were "
-            f"read: a file is missing or cut short; restore the data (or rewrite it "
-            f"with python -m data.make_tfrecords)")
+            f"read: {problem}; {restore_advice(spec)}")
+
+
+def restore_advice(spec: DatasetSpec) -> str:
+    """What to do about data files that are cut short or miscounted."""
+    if spec.tfrecord_pattern:
+        return "restore the data (or rewrite it with python -m data.make_tfrecords)"
+    return f"restore the data (or prepare it again: tfds build {spec.name.split(':')[0]})"
+
+
+def _promised_files(spec: DatasetSpec, validation: bool) -> tuple[list[tuple[str, int]], str]:
+    """The files a split reads, each with the records the data says it holds, and
+    who says so; none for generated data, or TFDS data without files here."""
+    if spec.synthetic_sizes != (0, 0):
+        return [], ""
+    if spec.tfrecord_pattern:
+        try:
+            paths = record_files(spec, spec.eval_split if validation else
+                                 spec.train_split).paths
+        except DatasetError:  # (no files match any more)
+            return [], ""
+        return [(path, tfrecords.record_count(path)) for path in paths], "its name says"
+    split = spec.eval_split if validation and not spec.holdout_fraction else (
+        spec.train_split)
+    found = _tfds_instructions(spec, split, spec.data_dir)
+    return ([(i.filename, int(i.examples_in_shard)) for i in found[1]] if found else [],
+            "dataset_info.json says")
+
+
+def _miscount(path: str, promised: int, says: str) -> str | None:
+    """What is wrong with a file that should hold `promised` records, or None."""
+    try:
+        held, cut = tfrecords.count_records(path)
+    except (tf.errors.OpError, OSError) as err:
+        return f"{path} cannot be read ({files.reason_of(err)})"
+    if cut:
+        return f"{path} is cut short inside record {held} ({says} {promised} records)"
+    if held < promised:
+        return (f"{path} holds {held} records, {says} {promised} (records {held}-"
+                f"{promised - 1} are missing)")
+    return f"{path} holds {held} records, {says} {promised}" if held != promised else None
+
+
+def miscounted_file(spec: DatasetSpec, validation: bool,
+                    checked: set[str] | None = None) -> str | None:
+    """After a count check failed: the first of the split's files that holds
+    another number of records than the data says, or is cut inside one, in a few
+    words ('F holds 10000 records, dataset_info.json says 10500 (records
+    10000-10499 are missing)'); None if none does. Reads the records' headers only.
+    checked: paths to pass over, and to add those read to."""
+    promised, says = _promised_files(spec, validation)
+    for path, count in promised:
+        if checked is not None and path in checked:
+            continue
+        problem = _miscount(path, count, says)
+        if problem:
+            return problem
+        if checked is not None:
+            checked.add(path)
+    return None
+
+
+def find_miscounted(spec: DatasetSpec) -> str | None:
+    """miscounted_file of the run's splits, as one line ('<the split>: <what is
+    wrong>; <what to do>'): for an error that does not say which split it came from
+    (a count asserted inside a pipeline). The evaluation split first: usually the
+    smaller to read."""
+    checked: set[str] = set()
+    for validation in (True, False):
+        problem = miscounted_file(spec, validation, checked)
+        if problem:  # (a held-out part's files are the training split's)
+            where = describe_split(spec, validation and not spec.holdout_fraction)
+            return f"{where}: {problem}; {restore_advice(spec)}"
+    return None
 
 
 def explain_read_error(spec: DatasetSpec) -> str | None:

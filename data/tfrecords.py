@@ -13,6 +13,7 @@ import math
 import os
 import posixpath
 import re
+import struct
 from typing import Iterable
 
 from google.protobuf.message import DecodeError
@@ -210,6 +211,29 @@ def scan_classes(paths: list[str], num_classes: int | None = None,
         raise DatasetError(corrupt_record(paths) or f"cannot read the records of "
                            f"{paths[0]} ...: {str(err).splitlines()[0][:120]}") from err
     return names
+
+
+# A TFRecord: length (8 bytes) and its CRC (4), the data, the data's CRC (4).
+_HEADER, _FOOTER = 12, 4
+_BLOCK = 1 << 16  # read at a time: many small records, or one large record's head
+
+
+def count_records(path: str) -> tuple[int, bool]:
+    """(whole records in a TFRecord file, whether it ends inside one: cut short),
+    from the records' length headers alone: a file cut at a record boundary reads
+    without error, and its data need not be read to count it."""
+    size, count, offset = tf.io.gfile.stat(path).length, 0, 0
+    block, start = b"", 0  # bytes [start, start + len(block)) of the file
+    with tf.io.gfile.GFile(path, "rb") as f:
+        while offset + _HEADER <= size:
+            if not start <= offset <= start + len(block) - 8:  # read on from there
+                f.seek(offset)
+                block, start = f.read(_BLOCK), offset
+            offset += _HEADER + struct.unpack_from("<Q", block, offset - start)[0] + _FOOTER
+            if offset > size:
+                return count, True
+            count += 1
+    return count, offset != size
 
 
 def find_corrupt(pattern: str, num_classes: int | None = None) -> str | None:

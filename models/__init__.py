@@ -185,7 +185,7 @@ def parse_keyword_options(text: str, defaults: dict, flag: str, owner: str) -> d
         key, _, value = item.partition("=")
         key = key.strip()
         if key not in defaults or not value:
-            raise ValueError(f"{flag}: {item!r} is not an option of {owner}; valid: "
+            raise ValueError(f"{flag}: {_cut(item)} is not an option of {owner}; valid: "
                              f"{', '.join(f'{k}=VALUE' for k in defaults) or 'none'}")
         options[key] = _typed(value, defaults[key], key, flag)
     return options
@@ -206,8 +206,15 @@ def _typed(value: str, default, key: str, flag: str):
             return tuple(type(default[0])(v) for v in value.split(":"))
         return type(default)(value)
     except ValueError:
-        raise ValueError(f"{flag}: {key}={value!r} is not like the default "
+        raise ValueError(f"{flag}: {key}={_cut(value)} is not like the default "
                          f"{default!r}") from None
+
+
+def _cut(text: str, limit: int = 80) -> str:
+    """repr(text) as an error line echoes it: at most `limit` characters, and its
+    length when cut ('xxxx...' (10,000,000 characters))."""
+    return (repr(text) if len(text) <= limit
+            else f"{text[:limit]!r}... ({len(text):,} characters)")
 
 
 def parse_options(name: str, text: str) -> dict:

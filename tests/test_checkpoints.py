@@ -63,11 +63,37 @@ def test_resuming_with_other_model_options_or_lookahead_is_refused(tmp_path):
     run = {"model": "airbench", "model_size": "full", "dataset": "cifar10",
            "optimizer": "sgd", "lookahead_every": 5}
     checkpoints.prepare_model_dir(str(tmp_path), run)  # an older run: no model_options
+    (tmp_path / "ckpt-5.index").write_bytes(b"")  # (it kept a step: it is a run)
     checkpoints.prepare_model_dir(str(tmp_path), {**run, "model_options": ""})
     for change, named in [({"model_options": "whiten=false"}, "model_options"),
                           ({"lookahead_every": 0}, "lookahead_every > 0")]:
         with pytest.raises(checkpoints.CheckpointError, match=f"holds a run with {named}="):
             checkpoints.prepare_model_dir(str(tmp_path), {**run, **change})
+
+
+def test_a_directory_where_no_step_was_kept_is_not_yet_a_run(tmp_path, monkeypatch):
+    """A start stopped before its first checkpoint (SIGTERM during start-up, kill
+    -9) left run_config.json and run_history.json: a start with other settings
+    begins the run afresh there, with one line, instead of being refused."""
+    run = {"model": "airbench", "dataset": "cifar10", "learning_rate": 0.001}
+    checkpoints.prepare_model_dir(str(tmp_path), run)
+    changed = {**run, "learning_rate": 0.01, "model": "resnet"}
+    assert checkpoints.check_previous_run(str(tmp_path), changed) == []
+    lines = []  # (the line itself: absl's verbosity is another test's to set)
+    monkeypatch.setattr(checkpoints.logging, "info", lambda text, *args: lines.append(
+        text % args))
+    checkpoints.prepare_model_dir(str(tmp_path), changed)
+    assert checkpoints.read_run_config(str(tmp_path))["learning_rate"] == 0.01
+    history = json.loads((tmp_path / checkpoints.RUN_HISTORY).read_text())
+    assert [start["start"] for start in history] == [1]  # the afresh start's alone
+    line, = [line for line in lines if "afresh" in line]
+    assert "--learning_rate: 0.001 -> 0.01" in line and "--model: airbench -> resnet" in line
+    # Once a step is kept (a checkpoint, or best weights) it is a run: refused.
+    for kept in ("ckpt-20.index", checkpoints.BEST_WEIGHTS_FILE):
+        (tmp_path / kept).write_bytes(b"")
+        with pytest.raises(checkpoints.CheckpointError):
+            checkpoints.prepare_model_dir(str(tmp_path), run)
+        (tmp_path / kept).unlink()
 
 
 def test_unwritable_model_dir_is_a_clear_error(tmp_path):

@@ -75,3 +75,43 @@ def test_resnet50_starts_each_block_as_the_identity_and_strides_in_the_3x3():
     full = models.entry("resnet50").builder(num_classes=1000)
     trainable = sum(int(w.numpy().size) for w in full.trainable_weights)
     assert trainable == 25_557_032  # torchvision's ResNet-50, parameter for parameter
+
+
+def _small_cifar10(root, train: int, test: int, test_claims: int) -> str:
+    """The first `train` and `test` records of the prepared CIFAR-10 as a TFDS data
+    dir of their own, whose dataset_info.json claims `test_claims` test records."""
+    real = os.path.join(os.environ.get("TFDS_DATA_DIR") or "", "cifar10")
+    if not os.path.isdir(real):
+        pytest.skip("real CIFAR-10 not in TFDS_DATA_DIR")
+    import tensorflow as tf
+    version = sorted(os.listdir(real))[-1]
+    folder = root / "cifar10" / version
+    folder.mkdir(parents=True)
+    for name in ("features.json", "label.labels.txt", "dataset_info.json"):
+        tf.io.gfile.copy(os.path.join(real, version, name), str(folder / name))
+    info = json.loads((folder / "dataset_info.json").read_text())
+    for split in info["splits"]:
+        count = train if split["name"] == "train" else test
+        name = f"cifar10-{split['name']}.tfrecord-00000-of-00001"
+        with tf.io.TFRecordWriter(str(folder / name)) as writer:
+            for record in tf.data.TFRecordDataset(os.path.join(real, version, name)
+                                                  ).take(count):
+                writer.write(record.numpy())
+        split["shardLengths"] = [str(count if split["name"] == "train" else test_claims)]
+    (folder / "dataset_info.json").write_text(json.dumps(info))
+    return str(folder / "cifar10-test.tfrecord-00000-of-00001")
+
+
+def test_a_split_that_holds_fewer_records_than_its_info_says_is_named_with_its_file(
+        run, tmp_path):
+    """Issue 43: TFDS info that lies only about the test split's count was reported
+    as the training split's, without the file or the cause."""
+    test_file = _small_cifar10(tmp_path / "tfds", train=64, test=32, test_claims=40)
+    status, log = run("--dataset=cifar10", "--model=cifar_cnn", "--model_size=tiny",
+                      f"--data_dir={tmp_path / 'tfds'}", "--batch_size=16",
+                      "--train_steps=2", "--eval_every=2", f"--model_dir={tmp_path}/run")
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert status == 2 and len(errors) == 1, log[-2000:]
+    assert errors[0].startswith("error: TFDS 'cifar10' split 'test': "), errors[0]
+    assert (f"{test_file} holds 32 records, dataset_info.json says 40 (records 32-39 "
+            f"are missing)") in errors[0]

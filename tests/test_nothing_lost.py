@@ -81,6 +81,85 @@ def test_a_final_write_that_fails_exits_5_and_keeps_the_previous_weights(
     assert not _leftovers(model_dir)
 
 
+def _served_run(model_dir, task: str, teacher_dir: str = "") -> str:
+    """A run directory as a finished run leaves it for predict (run_config.json,
+    model.weights.h5, metrics.json), of `task` on the generated data: its output
+    model built, not trained (predict and its writes are what is tested)."""
+    from trainer import build, config as config_lib
+    models_of = {"autoencoder": "conv_autoencoder", "gan": "dcgan"}
+    config = config_lib.Config(task=task, model=models_of.get(task, "cifar_cnn"),
+                               model_size="tiny", dataset="synthetic",
+                               model_dir=str(model_dir))
+    if task == "distill":
+        config = config.with_settings(teacher_dir=teacher_dir)
+    run = build.build_run(config, build.dataset_spec(config), None,
+                          tf.distribute.get_strategy(), purpose=build.SERVE)
+    os.makedirs(model_dir)
+    checkpoints.save_weights(run.output_model, str(model_dir / "model.weights.h5"))
+    files.write_json(str(model_dir / "run_config.json"), config.as_dict())
+    files.write_json(str(model_dir / "metrics.json"), {"status": "done", "steps": 0})
+    return str(model_dir)
+
+
+def _predict(*args: str) -> int:
+    """trainer.serving.predict in this process: its exit status."""
+    from trainer.serving import predict
+    with flagsaver.flagsaver():
+        predict.define_flags()
+        argv = predict.FLAGS(["predict", *args, "--verbosity=0"])
+        try:
+            predict.main(argv)
+        except SystemExit as exit_:
+            return exit_.code
+    return 0
+
+
+@pytest.mark.parametrize("task, fails", [
+    ("classification", "file"), ("simclr", "file"), ("distill", "file"),  # (no files)
+    ("autoencoder", "file"), ("autoencoder", "folder"), ("gan", "file")])
+def test_predict_on_a_full_disk_is_one_line_exit_5_and_leaves_nothing(
+        tmp_path, monkeypatch, capsys, task, fails):
+    """Issue 43: every file predict writes for each task's report (an
+    autoencoder's reconstruction, a GAN's grid; the others write none) on a disk
+    that refuses the bytes, or the folder: one line naming the file, exit 5, no
+    file or temporary left (it was two tracebacks and exit 1)."""
+    teacher = _served_run(tmp_path / "teacher", "classification") if (
+        task == "distill") else ""
+    model_dir = _served_run(tmp_path / "run", task, teacher)
+    out = str(tmp_path / "out")
+    real_gfile, real_makedirs = tf.io.gfile.GFile, tf.io.gfile.makedirs
+
+    class FullDisk(real_gfile):
+        def write(self, data):
+            if self.name.startswith(out):
+                raise tf.errors.ResourceExhaustedError(None, None,
+                                                       "No space left on device")
+            return super().write(data)
+
+    def no_folder(path):
+        if str(path).startswith(out):
+            raise tf.errors.ResourceExhaustedError(None, None, "No space left on device")
+        return real_makedirs(path)
+
+    if fails == "file":
+        monkeypatch.setattr(files.tf.io.gfile, "GFile", FullDisk)
+    else:
+        monkeypatch.setattr(files.tf.io.gfile, "makedirs", no_folder)
+    what = ["--samples=4"] if task == "gan" else ["--dataset=synthetic", "--index=0"]
+    status = _predict(f"--model_dir={model_dir}", f"--output_dir={out}", *what)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    left = [os.path.join(top, n) for top, _, names in os.walk(out) for n in names]
+    assert not left and "Traceback" not in err, (left, err[-2000:])
+    if task not in ("autoencoder", "gan"):  # a report of lines: nothing to write
+        assert status == 0 and not errors, err[-2000:]
+        return
+    written = f"{out}/{'samples' if task == 'gan' else 'synthetic_test_0'}.png"
+    assert status == 5 and len(errors) == 1, err[-2000:]
+    assert errors[0].startswith(f"error: could not write {written} (No space left on "
+                                f"device"), errors[0]
+
+
 def test_weights_made_in_memory_are_keras_own_file(tmp_path, tiny_model_and_data):
     """The private Keras writer checkpoints.weights_h5_bytes relies on: if an upgrade
     changes it, this fails (it must load with the public load_weights, to the same
@@ -255,6 +334,8 @@ def test_a_shard_cut_at_a_record_boundary_is_one_line_naming_both_counts(tmp_pat
     line = err.strip().splitlines()[-1]
     assert line.startswith(f"error: the files '{path}'") and "promise" in line
     assert "but 5 were read" in line or "were read" in line
+    # (issue 43: the file and its records too, not only the pattern)
+    assert f"read: {path} holds 7 records, its name says 12 (records 7-11 are " in line
     assert "Traceback" not in err
 
 
@@ -294,6 +375,11 @@ def test_an_update_that_overflows_the_weights_is_skipped_and_never_saved(
     status, err = run(*TINY, "--optimizer=sgd", "--learning_rate=3e38",
                        "--on_nan=stop", f"--model_dir={tmp_path}/stop")
     assert status == 3 and "non-finite" in err.strip().splitlines()[-1]
+    # Issue 43: no "last good checkpoint is kept" when there is none; metrics.json
+    # says how the run ended, not "running".
+    assert "no checkpoint was saved before it" in err.strip().splitlines()[-1]
+    stopped = json.loads((tmp_path / "stop" / "metrics.json").read_text())
+    assert stopped["status"] == "diverged" and "non-finite" in stopped["ended_by"]
 
 
 # --- 5. State files of the wrong shape ---------------------------------------------------

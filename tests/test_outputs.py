@@ -393,6 +393,51 @@ def test_predict_bad_model_dir_is_a_one_line_error(tmp_path, capsys):
     assert "run_config.json not found" in capsys.readouterr().err
 
 
+def _oversized(kind: str, width: int, height: int) -> bytes:
+    """A small PNG or JPEG whose header declares width x height (a decompression
+    bomb, as far as any decoder can tell before decoding)."""
+    import struct
+    import zlib
+    if kind == "png":
+        def chunk(name, data):
+            return (struct.pack(">I", len(data)) + name + data
+                    + struct.pack(">I", zlib.crc32(name + data)))
+        return (PNG_SIGNATURE + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height,
+                                                           8, 2, 0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(bytes(1000))) + chunk(b"IEND", b""))
+    data = bytearray(tf.io.encode_jpeg(np.zeros((8, 8, 3), np.uint8)).numpy())
+    at = 2
+    while data[at + 1] not in (0xC0, 0xC2):  # to the frame header (SOF)
+        at += 2 + struct.unpack(">H", data[at + 2:at + 4])[0]
+    data[at + 5:at + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
+
+
+@pytest.mark.parametrize("kind, width, height, says", [
+    ("png", 30000, 20000, "a 30000x20000 PNG (600,000,000 pixels); TensorFlow decodes a "
+                          "PNG of under 536,870,912 pixels (2^29) and at most 1,000,000 "
+                          "a side"),
+    ("png", 1_000_001, 1, "a 1000001x1 PNG (1,000,001 pixels)"),
+    ("jpeg", 20000, 10000, "a 20000x10000 JPEG of 3 component(s) (600,000,000 bytes "
+                           "decoded); TensorFlow decodes a JPEG of under 536,870,912 "
+                           "bytes (2^29)"),
+])
+def test_an_image_refused_for_its_size_is_called_too_large_with_its_size_and_the_limit(
+        tmp_path, kind, width, height, says):
+    """Issue 43: decompression bombs, rightly refused, were 'not a JPEG, PNG, GIF or
+    BMP image'."""
+    from trainer.serving import inference
+    path = tmp_path / f"big.{kind}"
+    path.write_bytes(_oversized(kind, width, height))
+    with pytest.raises(inference.InferenceError) as error:
+        inference.decode_file(str(path))
+    assert str(error.value).startswith(f"cannot read image {path}: too large to "
+                                       f"decode: {says}"), error.value
+    path.write_bytes(_oversized(kind, width, height)[:3] + bytes(40))  # no header
+    with pytest.raises(inference.InferenceError, match="not a JPEG, PNG, GIF or BMP"):
+        inference.decode_file(str(path))
+
+
 def test_export_round_trip_matches_the_keras_model(tmp_path):
     model = _saved_tiny_model(tmp_path / "run")
     export.export(str(tmp_path / "run"), str(tmp_path / "export"))
@@ -438,16 +483,15 @@ def test_a_run_that_has_not_finished_serves_its_best_or_newest_weights(
     os.remove(os.path.join(model_dir, "model.weights.h5"))
     with caplog.at_level(logging.WARNING):
         best = inference.TrainedModel(model_dir)
-    said = ("best.weights.h5 (step 4; the run has no model.weights.h5: it has not "
-            "finished)")
+    said = "best.weights.h5 (step 4; the run has no model.weights.h5)"
     assert best.weights == said and f"using {said}" in caplog.text
     np.testing.assert_allclose(best.serve(images)["probabilities"], expected, atol=1e-6)
     os.remove(os.path.join(model_dir, "best.weights.h5"))
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         newest = inference.TrainedModel(model_dir)
-    assert newest.weights.startswith("ckpt-4 (step 4; the run has no model.weights.h5 "
-                                     "or best.weights.h5") and newest.weights in caplog.text
+    assert newest.weights == ("ckpt-4 (step 4; the run has no model.weights.h5; it has "
+                              "no best.weights.h5)") and newest.weights in caplog.text
     np.testing.assert_allclose(newest.serve(images)["probabilities"], expected, atol=1e-6)
     for name in os.listdir(model_dir):
         if name.startswith("ckpt-") or name == "checkpoint":
@@ -455,3 +499,59 @@ def test_a_run_that_has_not_finished_serves_its_best_or_newest_weights(
     with pytest.raises(inference.InferenceError, match="no model.weights.h5, "
                                                        "best.weights.h5 or checkpoint"):
         inference.TrainedModel(model_dir)
+
+
+@pytest.mark.long(12)  # seconds, with -n 3
+def test_a_resumed_run_never_serves_its_earlier_end(tiny_config, finished_tiny,
+                                                    monkeypatch, caplog):
+    """Issue 43: a finished run resumed with a longer --train_steps and stopped
+    (metrics.json 'stopped', ckpt-6 newer than the step-4 model.weights.h5):
+    predict and export serve the current training's best weights, else its newest
+    checkpoint, and say which; never the step-4 file without a word."""
+    from trainer import loop
+    from trainer.output import progress
+    from trainer.serving import inference
+    model_dir = tiny_config.model_dir
+    images = _images()
+    earlier_end = inference.TrainedModel(model_dir).serve(images)["probabilities"]
+    show = progress.Progress.show
+
+    def stopped_at_8(self, step, learning_rate):  # (ckpt-6 saved; none at 8)
+        if step == 8:
+            raise KeyboardInterrupt
+        show(self, step, learning_rate)
+
+    monkeypatch.setattr(progress.Progress, "show", stopped_at_8)
+    with pytest.raises(KeyboardInterrupt):
+        loop.train_and_evaluate(tiny_config.replace(train_steps=20))
+    metrics = json.loads(open(os.path.join(model_dir, "metrics.json")).read())
+    assert (metrics["status"], metrics["steps"]) == ("stopped", 8)
+    assert metrics["ended_by"].startswith("KeyboardInterrupt")
+    with caplog.at_level(logging.WARNING):
+        best = inference.TrainedModel(model_dir)
+    assert best.weights == (
+        "best.weights.h5 (step 4; the run has not finished: its metrics.json says "
+        "'stopped' at step 8; its model.weights.h5 is an earlier end's)")
+    assert f"using {best.weights}" in caplog.text
+    os.remove(os.path.join(model_dir, "best.weights.h5"))
+    newest = inference.TrainedModel(model_dir)
+    assert newest.weights.startswith("ckpt-6 (step 6; the run has not finished")
+    served = newest.serve(images)["probabilities"]
+    assert not np.allclose(served, earlier_end, atol=1e-6)  # step 6's, not step 4's
+
+
+def test_a_log_window_whose_every_update_was_skipped_shows_no_loss(monkeypatch):
+    """Issue 43: with every step of a window skipped (--on_nan=skip_step) the line
+    said 'loss 0.0000'; no applied update counted a loss: '-', and the history
+    record has none (the range test then sees no finite loss and stops)."""
+    from trainer.output import progress
+    shown = progress.Progress(total_steps=4, steps_per_epoch=4, global_batch_size=16,
+                              start_step=0)
+    shown.add({"loss": (0.0, 0.0), "accuracy": (0.0, 0.0), "skipped": (2.0, 2.0)}, 2,
+              0.5)
+    lines = []  # (the line itself: absl's verbosity is another test's to set)
+    monkeypatch.setattr(progress.logging, "info", lambda text, *args: lines.append(
+        text % args))
+    record = shown.log(2, 0.1)
+    assert "loss -  accuracy -  skipped 1.0000" in lines[0], lines
+    assert "train_loss" not in record and record["train_skipped"] == 1.0

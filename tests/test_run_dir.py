@@ -133,6 +133,94 @@ def test_a_symbolic_link_in_a_run_is_refused_and_nothing_outside_is_touched(
     assert os.listdir(outside) == ["precious.txt"]
 
 
+def _sha256s(directory) -> dict[str, str]:
+    import hashlib
+    return {name: hashlib.sha256(data).hexdigest()
+            for name, data in _files(str(directory)).items()}
+
+
+# Every command that writes under a run directory, and a link at each place it
+# writes or deletes: (command, its flags with RUN for the run, the link's place in
+# the run, a real folder made first). The guard (data/files.refuse_links) must stop
+# each before it writes or deletes anything, outside or inside.
+_WRITERS = [
+    ("trainer.main", [*SAME, "--train_steps=6"], "eval", None),  # TensorBoard's
+    ("trainer.main", [*SAME, "--train_steps=6"], "train/plugins", None),  # (deeper)
+    ("trainer.main", [*SAME, "--train_steps=6"], ".worker_tmp/worker_1", ".worker_tmp"),
+    ("trainer.evaluate", [], "evaluator", None),  # the issue's case
+    ("trainer.evaluate", [], "evaluator/eval", "evaluator"),
+    ("trainer.evaluate", ["--output_dir=RUN/mine/evaluator"], "mine", None),
+    ("trainer.serving.predict", ["--index=0"], "predictions", None),
+    ("trainer.serving.predict", ["--index=0", "--output_dir=RUN/out"], "out", None),
+    ("trainer.serving.export", ["--export_dir=RUN/exports/model"], "exports", None),
+    ("trainer.tools.lr_find", [*SAME, "--output_dir=RUN/lr"], "lr/train", "lr"),
+    ("trainer.tools.compare_runs", ["--runs=RUN", "--plot=RUN/plots/a.png"], "plots",
+     None),
+]
+
+
+@pytest.mark.parametrize("module,flags,link,folder", _WRITERS,
+                         ids=[f"{w[0].rsplit('.', 1)[-1]}:{w[2]}" for w in _WRITERS])
+def test_no_command_writes_or_deletes_through_a_link_in_a_run(
+        finished_tiny, tiny_config, tmp_path, command, module, flags, link, folder):
+    """Issue 43: trainer.evaluate overwrote evaluations.json and deleted a stale
+    writer.lock in the folder its RUN/evaluator link pointed to. Each writer: exit
+    2, one line naming the link, nothing outside or in the run changed."""
+    run_dir = tiny_config.model_dir
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep me")
+    (outside / "evaluations.json").write_text('{"evaluations": ["mine"]}')
+    (outside / "writer.lock").write_text(json.dumps(  # stale: a takeover deletes it
+        {"pid": 999999999, "host": "localhost", "since": 0, "command": "x"}))
+    for place in (link, folder):
+        if place and os.path.isdir(os.path.join(run_dir, place)):
+            tf.io.gfile.rmtree(os.path.join(run_dir, place))
+    if folder:
+        os.makedirs(os.path.join(run_dir, folder), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.join(run_dir, link)), exist_ok=True)
+    os.symlink(outside, os.path.join(run_dir, link))
+    outside_before, run_before = _sha256s(outside), _sha256s(run_dir)
+    if module != "trainer.tools.compare_runs":
+        flags = [*flags, "--model_dir=RUN"]
+    args = [f.replace("RUN", run_dir) for f in flags]
+    if module == "trainer.serving.export":  # (its required flags would stay defined
+        import subprocess, sys  # noqa: E401  in this process's FLAGS for later tests)
+        done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
+                              text=True, timeout=300)
+        status, out, log = done.returncode, done.stdout, done.stderr
+    else:
+        status, out, log = command(module, *args)
+    errors = _errors(log)
+    assert status == 2 and len(errors) == 1, (out + log)[-2000:]
+    assert "symbolic link" in errors[0] and link in errors[0] and len(errors[0]) < 600
+    assert "nothing was touched" in errors[0]
+    assert _sha256s(outside) == outside_before and _sha256s(run_dir) == run_before
+    assert sorted(os.listdir(outside)) == ["evaluations.json", "precious.txt",
+                                           "writer.lock"]
+
+
+def test_the_folder_a_user_names_may_itself_be_a_link(tmp_path):
+    """--model_dir=runs/x where runs/x links to a bigger disk is the user's own
+    choice: what is inside it is checked, not where it lives; a path beyond a link
+    in the run is refused, and what cannot hold links (ram://, gs://) passes."""
+    from data import files
+    disk = tmp_path / "disk"
+    (disk / "train").mkdir(parents=True)
+    os.symlink(disk, tmp_path / "run")
+    assert files.links_on(str(tmp_path / "run")) == []
+    assert files.links_on(str(tmp_path / "run" / "evaluator"), [str(tmp_path / "run")]) == []
+    os.symlink(tmp_path, disk / "train" / "up")
+    assert files.links_on(str(tmp_path / "run")) == [str(tmp_path / "run/train/up")]
+    assert files.links_on(str(tmp_path / "run/train/up/x/y"), [str(tmp_path / "run")]
+                          ) == [str(tmp_path / "run/train/up")]
+    with pytest.raises(files.LinkError, match=r"--output_dir=.*run/train/up/x.*"
+                       r"run/train/up -> .*; .*or give another --output_dir"):
+        files.refuse_links(str(tmp_path / "run/train/up/x"), [str(tmp_path / "run")],
+                           "--output_dir")
+    assert files.links_on("ram://run/evaluator", ["ram://run"]) == []
+
+
 def test_more_bad_input_is_one_line_not_a_traceback(tmp_path, run):
     """A --weights file that is not HDF5; weights the tiny xception would ignore;
     a directory given to predict as an image."""
@@ -164,7 +252,12 @@ def test_a_full_disk_for_tensorboard_is_a_write_error_not_a_traceback(tmp_path):
 @pytest.mark.parametrize("key, value, message", [
     ("eval_batch_size", -5, "eval_batch_size must be >= 0, got -5"),
     ("image_size", 100000, "image_size=100000 is beyond 4096 pixels a side"),
-    ("batch_size", "abc", "a value of the wrong type")])
+    ("batch_size", "abc", "a value of the wrong type"),
+    ("model_options", "x" * 10_000_000, r"model_options: 'x{80}'\.\.\. \(10,000,000 "
+     r"characters\) is not an option of cifar_cnn"),
+    ("label_smoothing", 5.0, r"label_smoothing is set twice, 5.0 at the top and 0.0 in "
+     r"task_settings"),  # (beside task_settings' 0.0, below: an edit of one of them)
+    ("task_settings", {"label_smoothing": 5.0}, r"label_smoothing must be in \[0, 1\)")])
 def test_a_run_config_no_run_can_have_is_one_line_for_the_commands_on_the_run(
         finished_tiny, tiny_config, key, value, message):
     """predict, evaluate and export read the run's settings with build.config_of_run."""
@@ -172,11 +265,49 @@ def test_a_run_config_no_run_can_have_is_one_line_for_the_commands_on_the_run(
     path = os.path.join(tiny_config.model_dir, checkpoints.RUN_CONFIG)
     with open(path) as f:
         settings = json.load(f)
+    if key == "label_smoothing":
+        settings["task_settings"] = {**settings.get("task_settings", {}),
+                                     "label_smoothing": 0.0}
     with open(path, "w") as f:
         json.dump({**settings, key: value}, f)
     with pytest.raises(checkpoints.CheckpointError, match=(
-            f"run_config.json holds a setting no run can have: {message}")):
+            f"run_config.json holds a setting no run can have: {message}")) as raised:
         build.config_of_run(tiny_config.model_dir)
+    assert len(str(raised.value)) < 300 + len(path)  # (issue 43: it was 10,000,069)
+
+
+def test_a_teacher_or_classifier_run_config_is_checked_as_flags_are(tmp_path, tiny_config):
+    """Issue 43: a --teacher_dir whose run_config.json has a negative batch size, or
+    a 10 MB model_options, was accepted (or echoed whole); read back through
+    build.config_of_run like the run's own: one line naming the file."""
+    from test_check_step import _teacher_run
+    from trainer import build
+    from trainer.config import ConfigError
+    from data import sources
+    teacher = _teacher_run(tmp_path / "teacher")
+    config = tiny_config.replace(task="distill").with_settings(teacher_dir=teacher)
+    spec = sources.get_spec("synthetic")
+    builder = build.StateBuilder(config, spec, None, tf.distribute.get_strategy(),
+                                 "float32", build.SERVE, build.make_task(config, spec))
+    path = os.path.join(teacher, checkpoints.RUN_CONFIG)
+    settings = json.loads(open(path).read())
+    for key, value, message in [("batch_size", -4, "batch_size must be > 0"),
+                                ("learning_rate", -1.0, "learning_rate must be > 0"),
+                                ("model_options", "x" * 10_000_000, "10,000,000 char")]:
+        with open(path, "w") as f:
+            json.dump({**settings, key: value}, f)
+        with pytest.raises((checkpoints.CheckpointError, ConfigError)) as raised:
+            builder.finished_classifier(teacher, "--teacher_dir", "model.weights.h5")
+        assert message in str(raised.value) and path in str(raised.value)
+        assert len(str(raised.value)) < 300 + len(path)
+    with open(path, "w") as f:  # a teacher resumed and stopped: its final file is old
+        json.dump(settings, f)
+    files_json = {"status": "stopped", "steps": 600}
+    with open(os.path.join(teacher, "metrics.json"), "w") as f:
+        json.dump(files_json, f)
+    with pytest.raises(ConfigError, match="the run has not finished: its metrics.json "
+                       "says 'stopped' at step 600"):
+        builder.finished_classifier(teacher, "--teacher_dir", "model.weights.h5")
 
 
 @pytest.mark.long(8)  # seconds, with -n 2

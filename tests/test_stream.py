@@ -152,6 +152,27 @@ def test_a_file_shorter_than_its_name_says_stops_the_stream(tmp_path):
         _batches(_stream(f"tfrecord:{pattern};eval={held}", batch=4, window=8), 8)
 
 
+def test_a_streamed_shard_cut_short_is_one_line_naming_the_file_and_record(tmp_path):
+    """Issue 43: the training loop's explanation named only the glob."""
+    from trainer import inputs
+    (tmp_path / "validation").mkdir()
+    held = _write_jpegs(tmp_path / "validation", "gen", 8, 1)
+    pattern = _write_jpegs(tmp_path, "gen", 30, 3)
+    short = tfrecords.files(pattern)[1]
+    records = list(tf.data.TFRecordDataset(short).take(7))
+    with tf.io.TFRecordWriter(short) as writer:  # cut at a record boundary
+        for record in records:
+            writer.write(record.numpy())
+    name = f"tfrecord:{pattern};eval={held}"
+    with pytest.raises(sources.DatasetError) as error:
+        with inputs.data_errors_explained(sources.get_spec(name)):  # as the loop reads
+            _batches(_stream(name, batch=4, window=8), 8)
+    assert str(error.value).startswith(f"the files {pattern!r}: {short} holds 7 "
+                                       f"records, its name says 10 (records 7-9 are "
+                                       f"missing)"), error.value
+    assert "\n" not in str(error.value)
+
+
 def test_inception_boxes_stay_inside_and_cover_the_configured_ranges():
     shape = tf.constant([300, 200])
     areas, aspects, fallbacks = [], [], 0

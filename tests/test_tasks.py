@@ -218,12 +218,19 @@ def test_a_teacher_of_another_dataset_or_size_is_refused(tiny_config, tmp_path,
     from trainer.config import ConfigError
     config = tiny_config.replace(task="distill", dataset="cifar10").with_settings(
         teacher_dir=teacher_dir)
+
+    def load_teacher(config, spec):  # as Distill.create_state does
+        builder = build.StateBuilder(config, spec, None, tf.distribute.get_strategy(),
+                                     "float32", build.SERVE, build.make_task(config, spec))
+        return builder.finished_classifier(teacher_dir, "--teacher_dir",
+                                           "model.weights.h5")
+
     with pytest.raises(ConfigError, match="they need the same dataset"):
-        build.make_task(config, sources.get_spec("cifar10"))._load_teacher()
+        load_teacher(config, sources.get_spec("cifar10"))
     config = tiny_config.replace(task="distill", image_size=16).with_settings(
         teacher_dir=teacher_dir)
     with pytest.raises(ConfigError, match="set --image_size=32"):
-        build.make_task(config, sources.get_spec("synthetic"))._load_teacher()
+        load_teacher(config, sources.get_spec("synthetic"))
 
 
 def test_a_model_whose_output_would_broadcast_is_refused(tiny_config):

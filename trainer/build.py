@@ -8,12 +8,13 @@ checks is what trains: a teacher, a new option or a new task wired in here is in
 every command at once.
 """
 import dataclasses
+import os
 from typing import Callable
 
 import keras
 import tensorflow as tf
 
-from data import pipeline, sources
+from data import files, pipeline, sources
 import models
 from trainer import averaging, checkpoints, flops, inputs, optimizers, schedules, step
 from trainer import tasks, user_code
@@ -58,11 +59,13 @@ class Plan:
                    pipeline.eval_steps(eval_examples, eval_batch), per_replica)
 
 
-def config_of_run(model_dir: str) -> Config:
+def config_of_run(model_dir: str, flag: str = "--model_dir") -> Config:
     """The Config of the run in model_dir (run_config.json with the changes of later
-    starts), checked as trainer.main checks its flags, so that evaluate, predict and
-    export on an edited or damaged file stop with one CheckpointError line."""
-    settings = checkpoints.read_run_config(model_dir)
+    starts), checked as trainer.main checks its flags: the one place a run's
+    settings are read back (evaluate, predict, export, a distillation's teacher, a
+    GAN's Fréchet classifier), so that an edited or damaged file stops with one
+    CheckpointError line naming it, its values cut short."""
+    settings = checkpoints.read_run_config(model_dir, flag)
     path = f"{model_dir.rstrip('/')}/{checkpoints.RUN_CONFIG}"
     try:  # the run's own code (its --import), so that its model and task are known
         user_code.import_modules(settings.get("imports") or "")
@@ -72,8 +75,9 @@ def config_of_run(model_dir: str) -> Config:
         return config_lib.validate(config_lib.from_dict(settings), models.names(),
                                    sources.names())
     except (ConfigError, TypeError, ValueError) as err:
-        problem = str(err).split(';')[0][:200] if isinstance(err, ConfigError) else (
-            f"a value of the wrong type ({type(err).__name__}: {str(err)[:120]})")
+        problem = files.shorter(str(err).split(';')[0], 160) if isinstance(
+            err, ConfigError) else (f"a value of the wrong type ({type(err).__name__}: "
+                                    f"{files.shorter(str(err), 100)})")
         raise checkpoints.CheckpointError(
             f"{path} holds a setting no run can have: {problem.replace('--', '')}; "
             f"restore the file from a backup, or train the run again") from err
@@ -252,6 +256,42 @@ class StateBuilder:
         model = self._adapt_fixed(model) if self._adapt_fixed is not None else model
         model.trainable = False
         return model
+
+    def finished_classifier(self, directory: str, flag: str, weights_file: str,
+                            tasks: tuple[str, ...] = ("classification",)) -> keras.Model:
+        """The model of a finished run in `directory` (a run of one of `tasks` on
+        this run's dataset and image size; its run_config.json checked as this run's
+        flags are, config_of_run), with its `weights_file`: a distillation teacher,
+        the Fréchet distance's classifier. Anything else is one line: also final
+        weights of a run that has not finished (resumed, stopped: they are an older
+        end's)."""
+        path = os.path.join(directory, weights_file)
+        for needed in (os.path.join(directory, checkpoints.RUN_CONFIG), path):
+            if not tf.io.gfile.exists(needed):
+                raise ConfigError(f"{flag}={directory}: {needed} not found; give a "
+                                  f"finished run's directory")
+        run = config_of_run(directory, flag)
+        served, why = checkpoints.weights_to_serve(directory)
+        if weights_file == checkpoints.WEIGHTS_FILE and served != weights_file:
+            raise ConfigError(f"{flag}={directory}: {why}; let it finish, or take its "
+                              f"{checkpoints.BEST_WEIGHTS_FILE}")
+        if run.task not in tasks:
+            raise ConfigError(f"{flag}={directory} is a {run.task} run; give a run of "
+                              f"task {' or '.join(tasks)}")
+        spec, input_shape = self.spec, self.task.input_shape
+        if run.dataset != spec.name:
+            raise ConfigError(f"{flag}={directory} was trained on {run.dataset}, this "
+                              f"run on {spec.name}; they need the same dataset")
+        size = run.image_size or spec.image_shape[0]
+        if (size, size, input_shape[2]) != tuple(input_shape):
+            raise ConfigError(f"{flag}={directory} sees {size}x{size} images, this run "
+                              f"{input_shape[0]}x{input_shape[1]}; set --image_size={size}")
+        try:
+            return models.build(run.model, spec.num_classes, input_shape,
+                                tiny=run.model_size == "tiny", options=run.model_options,
+                                weights=path)
+        except ValueError as err:
+            raise ConfigError(f"{flag}={directory}: {files.shorter(str(err))}") from err
 
     def optimizer(self, model: keras.Model) -> keras.optimizers.Optimizer | None:
         """The run's optimizer for `model` (--optimizer and its options, the

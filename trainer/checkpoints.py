@@ -83,9 +83,16 @@ def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True,
         if removed:
             logging.info("removed %d temporary file(s) a killed run left in %s: %s",
                          len(removed), model_dir, ", ".join(sorted(removed)))
-        if not tf.io.gfile.exists(os.path.join(model_dir, RUN_CONFIG)):
-            files.write_json(os.path.join(model_dir, RUN_CONFIG), run_config)
-        history = _read_history(model_dir)
+        config_path = os.path.join(model_dir, RUN_CONFIG)
+        afresh = tf.io.gfile.exists(config_path) and trained_nothing(model_dir)
+        if afresh:  # a start stopped or killed before its first checkpoint
+            changed = _changes_listed(differences(read_run_config(model_dir), run_config))
+            logging.info("%s holds the settings of start(s) that kept no step (no "
+                         "checkpoint, no weights): this start begins the run afresh%s",
+                         model_dir, f" with other settings ({changed})" if changed else "")
+        if afresh or not tf.io.gfile.exists(config_path):
+            files.write_json(config_path, run_config)
+        history = [] if afresh else _read_history(model_dir)
         history.append({"start": len(history) + 1, **(provenance or {}),
                         "changed": {key: [before, now] for key, before, now in changes}})
         files.write_json(os.path.join(model_dir, RUN_HISTORY), history)
@@ -129,7 +136,7 @@ def check_previous_run(model_dir: str, run_config: dict
     Returns the settings this start changes. Reads only: called before the
     expensive set-up, and again before writing."""
     from trainer import config as config_lib
-    _refuse_links(model_dir)
+    files.refuse_links(model_dir, flag="--model_dir")  # (before anything is read)
     if not tf.io.gfile.exists(os.path.join(model_dir, RUN_CONFIG)):
         # (A temporary of run_config.json: the chief writing it as this worker
         # looks; a new run, as the chief's. Seen in the suite: "holds files that
@@ -147,6 +154,8 @@ def check_previous_run(model_dir: str, run_config: dict
                     f"({listed}) and no {RUN_CONFIG}; give a new or empty directory "
                     f"(nothing in it was touched)")
             return []
+    if trained_nothing(model_dir):  # (its settings are replaced: prepare_model_dir)
+        return []
     recorded = read_run_config(model_dir)
     for key, now, before in [
             *((k, _value(run_config, k), _value(recorded, k)) for k in _MUST_MATCH),
@@ -154,14 +163,13 @@ def check_previous_run(model_dir: str, run_config: dict
               for k in _MUST_MATCH_ON)]:
         if now != before:
             raise CheckpointError(
-                f"--model_dir={model_dir} holds a run with {key}={before!r}, not "
-                f"{now!r}; use another --model_dir (the existing checkpoint is left "
-                f"untouched)")
+                f"--model_dir={model_dir} holds a run with {key}="
+                f"{files.shorter(repr(before), 60)}, not {files.shorter(repr(now), 60)}; "
+                f"use another --model_dir (the existing checkpoint is left untouched)")
     changes = differences(recorded, run_config)
     trained = [c for c in changes if c[0] not in config_lib.MAY_CHANGE_ON_RESUME]
     if trained and not run_config.get("resume_with_changes"):
-        listed = ", ".join(f"--{key}: {_shown(before)} -> {_shown(now)}"
-                           for key, before, now in trained)
+        listed = _changes_listed(trained)
         raise CheckpointError(
             f"--model_dir={model_dir} holds a run trained with other settings ({listed});"
             f" use another --model_dir (without --model_dir each setting gets its own), "
@@ -170,31 +178,23 @@ def check_previous_run(model_dir: str, run_config: dict
     return changes
 
 
+def _changes_listed(changes: list[tuple[str, object, object]]) -> str:
+    """'--learning_rate: 0.001 -> 0.01, ...', each value cut to 60 characters."""
+    return ", ".join(f"--{key}: {_shown(before)} -> {_shown(now)}"
+                     for key, before, now in changes)
+
+
 def _shown(value) -> str:
-    return "(unset)" if value is None else str(value)
+    return "(unset)" if value is None else files.shorter(str(value), 60)
 
 
-def _refuse_links(model_dir: str) -> None:
-    """A run writes and deletes only inside its directory: a symbolic link in it
-    (to a folder a temporary's name would have deleted, or that TensorBoard's
-    events would land in) is one CheckpointError, before anything is done."""
-    if "://" in model_dir or not os.path.isdir(model_dir):
-        return
-    links = sorted(name for name in os.listdir(model_dir)
-                   if os.path.islink(os.path.join(model_dir, name)))
-    worker_tmp = os.path.join(model_dir, ".worker_tmp")
-    if os.path.isdir(worker_tmp) and not os.path.islink(worker_tmp):
-        links += sorted(os.path.join(".worker_tmp", name, inner)
-                        for name in os.listdir(worker_tmp)
-                        for inner in (os.listdir(os.path.join(worker_tmp, name))
-                                      if os.path.isdir(os.path.join(worker_tmp, name))
-                                      else [])
-                        if os.path.islink(os.path.join(worker_tmp, name, inner)))
-    if links:
-        raise CheckpointError(
-            f"--model_dir={model_dir} holds symbolic link(s) ({', '.join(links[:4])}); "
-            f"a run writes and deletes only inside its own directory: remove the "
-            f"link(s) or use another --model_dir (nothing was touched)")
+def trained_nothing(model_dir: str) -> bool:
+    """Whether no step of the run in model_dir was kept: no checkpoint and no
+    weights file (its starts were stopped, or killed, before their first one). Such
+    a directory is not yet a run: a start with other settings begins it afresh."""
+    return not (tf.io.gfile.glob(os.path.join(model_dir, "ckpt-*.index"))
+                or any(tf.io.gfile.exists(os.path.join(model_dir, name))
+                       for name in (WEIGHTS_FILE, BEST_WEIGHTS_FILE)))
 
 
 def _read_history(model_dir: str) -> list:
@@ -247,6 +247,45 @@ def finished_run(model_dir: str, total_steps: int) -> dict | None:
     done = metrics.get("status") == "done" and (int(metrics.get("steps", -1)) >= total_steps
                                                 or bool(metrics.get("stopped_early")))
     return metrics if done else None
+
+
+def step_of(checkpoint_path: str) -> int:
+    """The step of a checkpoint path (DIR/ckpt-300: 300)."""
+    return int(checkpoint_path.rsplit("-", 1)[-1])
+
+
+def weights_to_serve(model_dir: str) -> tuple[str | None, str]:
+    """Which weights predict and export serve, by the run's state: (file name, or
+    None for the newest checkpoint; the line that says why). A finished run's
+    model.weights.h5 (its metrics.json "done", no checkpoint newer); any other
+    (stopped, diverged, failed, still training, resumed past its old end) its
+    best.weights.h5, else its newest checkpoint, never an older finished file."""
+    try:
+        metrics = files.read_json(os.path.join(model_dir, METRICS_FILE), dict)
+    except files.BadFileError:
+        metrics = {}
+    latest = tf.train.latest_checkpoint(model_dir)
+    status, steps = metrics.get("status"), metrics.get("steps")
+    has = lambda name: tf.io.gfile.exists(os.path.join(model_dir, name))  # noqa: E731
+    if has(WEIGHTS_FILE) and (status == "done" or not metrics) and (
+            latest is None or (isinstance(steps, int) and step_of(latest) <= steps)):
+        return WEIGHTS_FILE, "" if status == "done" else (
+            f"{WEIGHTS_FILE} (the run has no readable {METRICS_FILE} to say it finished)")
+    if status == "done" and not has(WEIGHTS_FILE):
+        why = f"the run has no {WEIGHTS_FILE}"
+    else:
+        state = (f"its {METRICS_FILE} says {status!r}" + (f" at step {steps}"
+                 if isinstance(steps, int) and status != "done" else "")
+                 if status else f"it has no readable {METRICS_FILE}")
+        if status == "done" and latest:  # (a resumed run that wrote no "running")
+            state += f", its newest checkpoint is step {step_of(latest)}'s"
+        why = f"the run has not finished: {state}" + (
+            f"; its {WEIGHTS_FILE} is an earlier end's" if has(WEIGHTS_FILE) else "")
+    if has(BEST_WEIGHTS_FILE):
+        best = metrics.get("best_step")
+        return BEST_WEIGHTS_FILE, (f"{BEST_WEIGHTS_FILE} ("
+                                   f"{f'step {best}; ' if best is not None else ''}{why})")
+    return None, why
 
 
 def _value(run_config: dict, key: str):

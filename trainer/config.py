@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 
-from data import augment as augment_lib, sources
+from data import augment as augment_lib, files, sources
 import models
 from trainer import callbacks as callbacks_lib, optimizers, recipes, schedules, tasks
 from trainer.settings import ConfigError, non_finite, setting as _  # noqa: F401 (re-exported)
@@ -288,7 +288,13 @@ def from_dict(values: dict) -> Config:
     task = values.get("task", "classification")
     known = tasks.setting_fields(task) if task in tasks.names() else {}
     task_settings = {key: values[key] for key in known if key in values}
-    task_settings.update(values.get("task_settings") or {})
+    nested = values.get("task_settings") or {}
+    for key in task_settings.keys() & nested.keys():  # (an edit of one of them)
+        if task_settings[key] != nested[key]:
+            raise ConfigError(f"{key} is set twice, {files.shorter(repr(task_settings[key]), 60)}"
+                              f" at the top and {files.shorter(repr(nested[key]), 60)} in "
+                              f"task_settings; keep one")
+    task_settings.update(nested)
     return Config(**{key: values[key] for key in FLAG_FIELDS if key in values},
                   task_settings=task_settings)
 
@@ -455,6 +461,7 @@ def validate(config: Config, model_names, dataset_names) -> Config:
     try:
         callbacks_lib.parse_names(config.callbacks)
         optimizers.parse_options(config.optimizer, config.optimizer_options)
+        models.parse_options(config.model, config.model_options)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     config.task_options()

@@ -219,7 +219,9 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     output_dir = FLAGS.output_dir or os.path.join(FLAGS.model_dir, "evaluator")
     try:
-        with locks.held(output_dir, "trainer.evaluate"):  # one writer per directory
+        # (no link on the way from the run to output_dir, nor in it; one writer)
+        with locks.held(output_dir, "trainer.evaluate", run_dir=FLAGS.model_dir,
+                        flag="--output_dir"):
             records = evaluate_checkpoints(FLAGS.model_dir, output_dir, FLAGS.checkpoint,
                                            FLAGS.watch, FLAGS.timeout, FLAGS.data_dir)
     except locks.DirectoryInUse as err:  # as trainer.main: try again later

@@ -41,6 +41,15 @@ class TrainingDivergedError(RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 
 
+def diverged(what: str, last_checkpoint: str | None, advice: str
+             ) -> TrainingDivergedError:
+    """The error of a run that diverged: what happened, which checkpoint is kept
+    (none was saved yet: the run's start is), and what to try."""
+    kept = (f"the last good checkpoint, {last_checkpoint}, is kept" if last_checkpoint
+            else "no checkpoint was saved before it (a rerun starts from step 0)")
+    return TrainingDivergedError(f"{what}; stopped without saving: {kept} ({advice})")
+
+
 class Preempted(RuntimeError):
     """A stop signal arrived; a checkpoint of the current step was saved."""
 

@@ -3,6 +3,7 @@ step) and the exact evaluation pipeline, built from the config and the dataset's
 spec; and read errors turned into messages that name the bad file."""
 import contextlib
 import os
+import re
 
 import numpy as np
 import tensorflow as tf
@@ -196,20 +197,36 @@ def eval_input_fn(config: Config, spec: sources.DatasetSpec, cache: bool = True,
     return eval_fn
 
 
+# What tf.data's assert_cardinality says (stream.py's, and TFDS' own on each split).
+_CARDINALITY = re.compile(r"expected to contain \d+ elements but contained (only|at "
+                          r"least) \d+ elements")
+
+
 @contextlib.contextmanager
 def data_errors_explained(spec: sources.DatasetSpec):
     """A corrupt input file surfaces deep in the graph without its name: find it."""
     try:
         yield
-    except tf.errors.FailedPreconditionError as err:  # stream.assert_cardinality
-        if "expected to contain" not in str(err):
+    except tf.errors.FailedPreconditionError as err:  # a count asserted in a pipeline
+        counted = _CARDINALITY.search(str(err))
+        if counted is None:
             raise
-        raise sources.DatasetError(
-            f"{sources.describe_split(spec, False)}: "
-            f"{str(err).splitlines()[0].split(' [Op:')[0][:160]} (a file is missing "
-            f"or cut short; restore the data)") from err
+        # The error says neither the split (training or evaluation: both assert
+        # their count) nor the file: the files' record headers say both.
+        raise sources.DatasetError(sources.find_miscounted(spec) or _miscounted_split(
+            spec, counted.group(0))) from err
     except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as err:
         culprit = sources.explain_read_error(spec)
+        if culprit is None and isinstance(err, tf.errors.DataLossError):
+            culprit = sources.find_miscounted(spec)  # (TFDS' files: one cut short)
         if culprit:
             raise sources.DatasetError(culprit) from err
         raise
+
+
+def _miscounted_split(spec: sources.DatasetSpec, counted: str) -> str:
+    """The line when no file could be found at fault (e.g. a file gone since)."""
+    where = dict.fromkeys(sources.describe_split(spec, validation)
+                          for validation in (False, True))
+    return (f"{' or '.join(where)}: {counted} (a file is missing or cut short); "
+            f"{sources.restore_advice(spec)}")

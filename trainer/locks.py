@@ -250,10 +250,15 @@ def check_held(directory: str) -> None:
 
 
 @contextlib.contextmanager
-def held(directory: str, command: str, enabled: bool = True) -> Iterator[None]:
+def held(directory: str, command: str, enabled: bool = True, run_dir: str = "",
+         flag: str = "--model_dir") -> Iterator[None]:
     """`with held(dir, "trainer.main"):` ... the lock is released on every exit
-    (an exception, SIGTERM's Preempted, sys.exit). enabled=False: a no-op (the
-    non-chief workers of a multi-worker job)."""
+    (an exception, SIGTERM's Preempted, sys.exit). enabled=False: no lock (the
+    non-chief workers of a multi-worker job). First, for every worker, the guard
+    of every writer: files.LinkError if a symbolic link lies on the way from
+    `run_dir` (the run the directory is part of, if any) to `directory` or inside
+    it, before the lock or anything else is written or deleted there."""
+    files.refuse_links(directory, (run_dir,), flag)
     if not enabled:
         yield
         return

@@ -221,8 +221,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
         """A stop signal (SIGTERM, SIGINT, SIGHUP): this step saved, then the
         command exits 75 and the same command resumes."""
         locks.check_held(config.model_dir)
-        checkpoints.save(manager, at_step, state)
-        recorder.save()
+        checkpoints.save(manager, at_step, state)  # (metrics.json: recorder's "stopped")
         raise faults.Preempted(f"stopped by {stop_signals.signal}: saved a checkpoint at step "
                                f"{at_step} in {config.model_dir}; run the same command "
                                f"to resume")
@@ -252,7 +251,8 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     current, evaluated_at = start_step, None
     profile = profile if is_chief else ()  # one trace, the chief's
     profiling = False
-    with inputs.data_errors_explained(spec), stop_signals.while_training(), (
+    with recorder.status_on_exit(lambda: current), inputs.data_errors_explained(spec), (
+            stop_signals.while_training()), (
             bars.above_the_bar() if bars else contextlib.nullcontext()), (
             _profiler_stopped_at_exit() if profile else contextlib.nullcontext()):
         train_iterator = iter(train_dataset)
@@ -284,18 +284,17 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                              since_start.elapsed())
                 _warn_of_stateful_random_ops(train_loop, train_iterator)
             if nonfinite_at:  # no copy to undo it: stop before anything is saved
-                raise faults.TrainingDivergedError(
+                raise faults.diverged(
                     f"step {nonfinite_at} left a weight non-finite "
-                    f"({', '.join(state.nonfinite()[:3])}); stopped without saving: the "
-                    f"last good checkpoint in {config.model_dir} is kept (lower the "
-                    f"learning rate, or check the step's arithmetic)")
+                    f"({', '.join(state.nonfinite()[:3])})", manager.latest_checkpoint,
+                    "lower the learning rate, or check the step's arithmetic")
             skipped = progress.add(sums, stop - current, watch.seconds)
             if skipped and config.on_nan == "stop":
-                raise faults.TrainingDivergedError(
+                raise faults.diverged(
                     f"non-finite loss or gradient at {skipped} step(s) in steps "
-                    f"{current + 1}-{stop} (those updates were not applied); stopped "
-                    f"without saving: the last good checkpoint in {config.model_dir} is "
-                    f"kept (lower the learning rate, or pass --on_nan=skip_step)")
+                    f"{current + 1}-{stop} (those updates were not applied)",
+                    manager.latest_checkpoint,
+                    "lower the learning rate, or pass --on_nan=skip_step")
             current = stop
             if current != int(state.step.numpy()):
                 raise RuntimeError(f"the step counter must advance once per step, by the "

@@ -7,14 +7,14 @@ import dataclasses
 
 from absl import flags, logging
 
-from data import sources
+from data import files, sources
 import models
 from trainer import checkpoints, cli, config as config_lib, tasks, user_code
 from trainer import strategy as strategy_lib
 
 # Errors that mean "the user asked for something impossible": one line, status 2.
 USER_ERRORS = (config_lib.ConfigError, sources.DatasetError, strategy_lib.DeviceError,
-               checkpoints.CheckpointError, user_code.UserCodeError)
+               checkpoints.CheckpointError, user_code.UserCodeError, files.LinkError)
 
 # A field whose flag has another name: --import (`import` is a Python keyword).
 FLAG_NAMES = {"imports": user_code.FLAG}

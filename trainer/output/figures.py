@@ -111,11 +111,16 @@ def image_grid(figure, images, titles, colors=None, columns: int | None = None) 
 
 
 def write_png(path: str, image) -> None:
-    """Writes a uint8 [H, W, C] image as a PNG file (and its folder), atomically."""
+    """Writes a uint8 [H, W, C] image as a PNG file (and its folder), atomically;
+    files.WriteError naming the file if either cannot be written."""
     import os
     import tensorflow as tf  # (only here: the figures need no TensorFlow)
     from data import files
-    tf.io.gfile.makedirs(os.path.dirname(path) or ".")
+    try:
+        tf.io.gfile.makedirs(os.path.dirname(path) or ".")
+    except tf.errors.OpError as err:  # (a full disk, no permission): the file's failure
+        raise files.WriteError(f"could not write {path} ({files.reason_of(err)}; its "
+                               f"folder could not be made)") from err
     files.write_atomically(path, tf.io.encode_png(np.asarray(image, np.uint8)).numpy())
 
 

@@ -107,7 +107,7 @@ class Progress:
                         (step - 1) // self.steps_per_epoch * self.steps_per_epoch
                         + self.steps_per_epoch)
         metrics = [(_MAIN_METRIC if index == 0 else _SKIPPED if key == "skipped"
-                    else _METRIC, f"{key} {value:.4f}")
+                    else _METRIC, f"{key} {_number(value)}")
                    for index, (key, value) in enumerate(means.items())]
         self.bars.update(step, [
             *metrics, (_LEARNING_RATE, f"lr {learning_rate:.3g}"),
@@ -134,7 +134,8 @@ class Progress:
         self._window = _Window()
         return {"step": step, "epoch": step / self.steps_per_epoch,
                 "train_seconds": self.train_seconds,
-                **{f"train_{key}": value for key, value in means.items()},
+                **{f"train_{key}": value for key, value in means.items()
+                   if value is not None},  # (None: every update skipped)
                 "learning_rate": learning_rate, "images_per_second": rate,
                 "gflops_per_second": rate * self.flops_per_image / 1e9,
                 "input_wait_fraction": waiting}
@@ -170,8 +171,14 @@ def format_test_metrics(result: dict) -> str:
                      result.items() if key.startswith("test_") and isinstance(value, float))
 
 
-def _format(means: dict[str, float]) -> str:
-    return "  ".join(f"{key} {value:.4f}" for key, value in means.items())
+def _format(means: dict[str, float | None]) -> str:
+    return "  ".join(f"{key} {_number(value)}" for key, value in means.items())
+
+
+def _number(value: float | None) -> str:
+    """'0.1234', or '-' for a metric no applied update counted (every update of
+    those steps skipped: a loss of 0 would be a lie)."""
+    return "-" if value is None else f"{value:.4f}"
 
 
 class _Window:
@@ -190,10 +197,12 @@ class _Window:
         self.steps += num_steps
         self.seconds += seconds
 
-    def means(self, global_batch_size: int) -> tuple[dict[str, float], float]:
-        """({metric: total / weight}, images/sec)."""
+    def means(self, global_batch_size: int) -> tuple[dict[str, float | None], float]:
+        """({metric: total / weight, None where nothing was counted}, images/sec)."""
         rate = self.steps * global_batch_size / max(self.seconds, 1e-9)
-        return distributed.means(self.sums), rate
+        means = distributed.means(self.sums)
+        return {key: value if self.sums[key][1] else None
+                for key, value in means.items()}, rate
 
 
 class Stopwatch:

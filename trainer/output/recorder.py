@@ -3,14 +3,16 @@ metrics.json after every evaluation, so a killed or resumed run keeps its curve)
 TensorBoard summaries, and at the end summary.png and the final metrics.json.
 Only the chief writes files.
 """
+import contextlib
 import os
+from typing import Callable, Iterator
 
 from absl import logging
 import numpy as np
 import tensorflow as tf
 
 from data import files
-from trainer import config as config_lib
+from trainer import checkpoints, config as config_lib, faults, locks
 from trainer.output import figures, summaries
 
 METRICS_FILE = "metrics.json"
@@ -83,6 +85,30 @@ class Recorder:
     def save(self) -> None:
         """Writes the history so far (with every checkpoint, so a resume keeps it)."""
         self._write_metrics({"status": "running"})
+
+    @contextlib.contextmanager
+    def status_on_exit(self, step: Callable[[], int]) -> Iterator[None]:
+        """metrics.json says how a run that ends inside ended: "stopped" (a stop
+        signal: the same command resumes it), "diverged" (a non-finite loss or
+        weight) or "failed" (any other error), with `step()` and the reason; never
+        "running" after the process is gone. Nothing is written when the directory
+        is another process's now (locks.LockLost)."""
+        try:
+            yield
+        except BaseException as err:
+            status = ("stopped" if isinstance(err, (faults.Preempted, KeyboardInterrupt))
+                      else "diverged" if isinstance(err, (faults.TrainingDivergedError,
+                                                          checkpoints.NonFiniteError))
+                      else None if isinstance(err, locks.LockLost) else "failed")
+            if status:
+                reason = str(err).splitlines()[0] if str(err).strip() else ""
+                try:
+                    self._write_metrics({"status": status, "steps": step(), "ended_by":
+                                         files.shorter(f"{type(err).__name__}: {reason}")})
+                except files.WriteError as write_error:  # (the disk that failed)
+                    logging.warning("%s (metrics.json could not say %r)", write_error,
+                                    status)
+            raise
 
     def finish(self, metrics: dict, schedule_points, steps_per_epoch: int) -> dict:
         """Writes the final metrics.json and summary.png; returns the metrics."""

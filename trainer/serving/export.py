@@ -70,6 +70,7 @@ def serving_functions(trained: inference.TrainedModel) -> dict:
 
 def export(model_dir: str, export_dir: str) -> str:
     """Writes the SavedModel of the run in model_dir; returns export_dir."""
+    files.refuse_links(export_dir, (model_dir,), "--export_dir")
     if tf.io.gfile.exists(export_dir) and tf.io.gfile.listdir(export_dir):
         raise inference.InferenceError(f"--export_dir={export_dir} exists and is not "
                                        f"empty; choose a new directory")
@@ -138,7 +139,7 @@ def main(argv: list[str]) -> None:
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(5)
     except (inference.InferenceError, sources.DatasetError, checkpoints.CheckpointError,
-            checkpoints.NonFiniteError, ValueError) as err:
+            checkpoints.NonFiniteError, ValueError) as err:  # (files.LinkError too)
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)
     print(f"wrote SavedModel {path}")

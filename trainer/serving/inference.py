@@ -10,7 +10,7 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from data import files, sources
+from data import files, image_limits, sources
 from trainer import averaging, build, checkpoints, inputs
 
 WEIGHTS_FILE, BEST_WEIGHTS_FILE = checkpoints.WEIGHTS_FILE, checkpoints.BEST_WEIGHTS_FILE
@@ -25,14 +25,20 @@ def decode_file(path: str) -> np.ndarray:
     if tf.io.gfile.isdir(path):
         raise InferenceError(f"cannot read image {path}: it is a directory; give "
                              f"image files")
+    data = None
     try:
         data = tf.io.read_file(path)
         return tf.io.decode_image(data, channels=3, expand_animations=False).numpy()
     except tf.errors.OpError as err:
-        reason = ("no such file" if isinstance(err, tf.errors.NotFoundError) else
-                  "not a JPEG, PNG, GIF or BMP image"
-                  if isinstance(err, tf.errors.InvalidArgumentError) else
-                  files.reason_of(err))
+        if isinstance(err, tf.errors.NotFoundError):
+            reason = "no such file"
+        elif isinstance(err, tf.errors.InvalidArgumentError):
+            # An image refused for its size (a decompression bomb) is an image: say
+            # why, with its size from the header and the decoder's limit.
+            reason = ((data is not None and image_limits.too_large(data.numpy()))
+                      or "not a JPEG, PNG, GIF or BMP image")
+        else:
+            reason = files.reason_of(err)
         raise InferenceError(f"cannot read image {path}: {reason}") from err
 
 
@@ -54,19 +60,13 @@ class TrainedModel:
         self.spec = build.model_input_spec(_dataset_spec(self.config.dataset, model_dir),
                                            self.config.model)
         self.image_size = inputs.image_shape(self.config, self.spec)[0]
-        final, best = (os.path.join(model_dir, name)
-                       for name in (WEIGHTS_FILE, BEST_WEIGHTS_FILE))
-        if tf.io.gfile.exists(final) or tf.io.gfile.exists(best):
+        weights, self.weights = checkpoints.weights_to_serve(model_dir)
+        if weights:
             run = self._build(build.SERVE)
-            if tf.io.gfile.exists(final):
-                run.output_model.load_weights(final)
-                self.weights = WEIGHTS_FILE
-            else:
-                run.output_model.load_weights(best)
-                self.weights = (f"{BEST_WEIGHTS_FILE} ({_best_step(model_dir)}the run has "
-                                f"no {WEIGHTS_FILE}: it has not finished)")
+            run.output_model.load_weights(os.path.join(model_dir, weights))
+            self.weights = self.weights or weights
         else:
-            run = self._from_checkpoint(model_dir)
+            run = self._from_checkpoint(model_dir, self.weights)
         self.task, self.model = run.task, run.output_model
         if self.weights != WEIGHTS_FILE:
             logging.warning("using %s", self.weights)
@@ -75,7 +75,7 @@ class TrainedModel:
         return build.build_run(self.config, self.spec, plan, tf.distribute.get_strategy(),
                                "float32", purpose=purpose)  # (CPU inference)
 
-    def _from_checkpoint(self, model_dir: str) -> build.Run:
+    def _from_checkpoint(self, model_dir: str, why: str) -> build.Run:
         """The run with its newest readable checkpoint restored, the output model
         holding the weights evaluation uses (the average with --ema_decay)."""
         # The average lives in the optimizer: then the state evaluation builds,
@@ -94,8 +94,7 @@ class TrainedModel:
             evaluated = run.output_model.get_weights()
         run.output_model.set_weights(evaluated)  # (the raw weights came back)
         self.weights = (f"{os.path.basename(path)} (step {int(run.state.step.numpy())}; "
-                        f"the run has no {WEIGHTS_FILE} or {BEST_WEIGHTS_FILE}: it has "
-                        f"not finished)")
+                        f"{why}; it has no {BEST_WEIGHTS_FILE})")
         return run
 
     def serve(self, images: list) -> dict[str, np.ndarray]:
@@ -105,17 +104,6 @@ class TrainedModel:
                           for image in images])
         return {key: np.asarray(value)
                 for key, value in self.task.serve_images(self.model, batch).items()}
-
-
-def _best_step(model_dir: str) -> str:
-    """'step 300; ': the step of the run's best evaluation, from its metrics.json
-    ('' if that does not say)."""
-    try:
-        step = files.read_json(os.path.join(model_dir, checkpoints.METRICS_FILE),
-                               dict).get("best_step")
-    except files.BadFileError:
-        return ""
-    return f"step {step}; " if step is not None else ""
 
 
 def _dataset_spec(name: str, model_dir: str) -> sources.DatasetSpec:

@@ -12,7 +12,8 @@ run's task makes of it: a classifier its top classes with their names and
 probabilities; an autoencoder writes the reconstruction as an image file (in
 --output_dir) and prints its path. A task whose model takes no image (a GAN's
 generator) needs none: it writes --samples generated images as one grid.
-Exit status 2 with a one-line error on bad input.
+Exit status 2 with a one-line error on bad input, 5 when a file cannot be written
+(one line naming it; nothing half-written is left).
 """
 import dataclasses
 import os
@@ -25,7 +26,7 @@ cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 from absl import flags  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from data import sources  # noqa: E402
+from data import files, sources  # noqa: E402
 from trainer import checkpoints, config as config_lib, recipes  # noqa: E402
 from trainer import inputs, tasks  # noqa: E402
 from trainer.serving import inference  # noqa: E402
@@ -64,8 +65,9 @@ def _dataset_image(spec: sources.DatasetSpec, split: str, index: int,
 
 def run(args: Options) -> list[str]:
     """The lines to print for `args`."""
-    trained = inference.TrainedModel(args.model_dir)
     output_dir = args.output_dir or os.path.join(args.model_dir, "predictions")
+    files.refuse_links(output_dir, (args.model_dir,), "--output_dir")
+    trained = inference.TrainedModel(args.model_dir)
     if not trained.task.serves_images:  # a generator: no input needed
         if args.images or args.index is not None:
             raise UsageError(f"a {trained.config.task} run generates its images: give "
@@ -182,6 +184,9 @@ def main(argv: list[str]) -> None:
             checkpoints.CheckpointError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except files.WriteError as err:  # a task's image (a full disk): named, as training's
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(5)
 
 
 if __name__ == "__main__":

@@ -159,35 +159,6 @@ class Task:
         """ConfigError if another dataset's examples do not fit this run (predict
         --index on another dataset)."""
 
-    def finished_classifier(self, directory: str, flag: str, weights_file: str,
-                            tasks: tuple[str, ...] = ("classification",)) -> keras.Model:
-        """The model of a finished run in `directory` (a run of one of `tasks` on
-        this run's dataset and image size), with its `weights_file`: a distillation
-        teacher, the Fréchet distance's classifier. Anything else is one line."""
-        path = os.path.join(directory, weights_file)
-        for needed in (os.path.join(directory, checkpoints.RUN_CONFIG), path):
-            if not tf.io.gfile.exists(needed):
-                raise ConfigError(f"{flag}={directory}: {needed} not found; give a "
-                                  f"finished run's directory")
-        run = checkpoints.read_run_config(directory, flag)
-        if (run.get("task") or "classification") not in tasks:
-            raise ConfigError(f"{flag}={directory} is a {run['task']} run; give a run of "
-                              f"task {' or '.join(tasks)}")
-        if run.get("dataset") != self.spec.name:
-            raise ConfigError(f"{flag}={directory} was trained on {run.get('dataset')}, "
-                              f"this run on {self.spec.name}; they need the same dataset")
-        size = run.get("image_size") or self.spec.image_shape[0]
-        if (size, size, self.input_shape[2]) != tuple(self.input_shape):
-            raise ConfigError(f"{flag}={directory} sees {size}x{size} images, this run "
-                              f"{self.input_shape[0]}x{self.input_shape[1]}; set "
-                              f"--image_size={size}")
-        try:
-            return models.build(run["model"], self.spec.num_classes, self.input_shape,
-                                tiny=run.get("model_size") == "tiny",
-                                options=run.get("model_options", ""), weights=path)
-        except ValueError as err:
-            raise ConfigError(f"{flag}={directory}: {err}") from err
-
     # --- the state and the step ------------------------------------------------------
 
     def create_state(self, build) -> "TrainState":

@@ -13,7 +13,7 @@ are those of classification: the student alone.
     python -m trainer.main --task=distill --teacher_dir=runs/airbench_cifar10
 """
 import dataclasses
-import keras
+
 import tensorflow as tf
 
 from trainer import checkpoints
@@ -66,14 +66,12 @@ class Distill(classification.Classification):
         directory (one-line errors if it cannot be)."""
         state = super().create_state(build)
         if build.training:
-            self.teacher = build.frozen(self._load_teacher())
+            self.teacher = build.frozen(build.finished_classifier(
+                self.settings.teacher_dir, "--teacher_dir",
+                WEIGHTS[self.settings.teacher_weights],
+                tasks=("classification", "distill")))
             state.models["teacher"] = self.teacher
         return state
-
-    def _load_teacher(self) -> keras.Model:
-        return self.finished_classifier(
-            self.settings.teacher_dir, "--teacher_dir",
-            WEIGHTS[self.settings.teacher_weights], tasks=("classification", "distill"))
 
     def training_flops(self, state, forward, options) -> float:
         """The student's training step and the teacher's forward pass."""

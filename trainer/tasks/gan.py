@@ -117,14 +117,12 @@ class Gan(base.Task):
             state_models["discriminator"] = discriminator
             state_optimizers["discriminator"] = build.optimizer(discriminator)
             if self.settings.fid_classifier_dir:
-                state_models["fid_classifier"] = build.frozen(self._load_classifier())
+                # The features of a finished classification run on the same data.
+                state_models["fid_classifier"] = build.frozen(models.features_of(
+                    build.finished_classifier(self.settings.fid_classifier_dir,
+                                              "--fid_classifier_dir",
+                                              checkpoints.WEIGHTS_FILE)))
         return build.state(state_models, state_optimizers)
-
-    def _load_classifier(self) -> keras.Model:
-        """The features of a finished classification run on the same data."""
-        return models.features_of(self.finished_classifier(
-            self.settings.fid_classifier_dir, "--fid_classifier_dir",
-            checkpoints.WEIGHTS_FILE))
 
     def to_model_input(self, generated: tf.Tensor) -> tf.Tensor:
         """Generator output (tanh, [-1, 1]) -> the data's normalized input space (in

@@ -27,6 +27,7 @@ cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 from absl import flags  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from data import files  # noqa: E402
 from trainer import checkpoints  # noqa: E402
 
 
@@ -136,7 +137,6 @@ def plot(runs: dict[str, dict], path: str, target: float,
          metric: str = "test_accuracy", x: str = "epoch"):
     """Writes every run's curve, whole (the axes fit all its evaluations), and the
     target; returns the Figure."""
-    from data import files
     from trainer.output import figures
     fig = figures.mpl_figure.Figure(figsize=(7, 4), layout="constrained")
     ax = fig.subplots()
@@ -181,6 +181,12 @@ def main(argv: list[str]) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     if FLAGS.plot and runs:
+        try:  # (in a run's folders: no link on the way; elsewhere, not the file)
+            files.refuse_links(FLAGS.plot, (*paths, os.path.dirname(
+                os.path.abspath(FLAGS.plot))), "--plot")
+        except files.LinkError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
         plot(runs, FLAGS.plot, FLAGS.target, metric, FLAGS.x)
 
 

@@ -148,7 +148,7 @@ def main(argv: list[str]) -> None:
                 checkpoint_every=steps, keep_checkpoints=1, on_nan="skip_step",
                 early_stop_patience=0, model_dir=output_dir)
             test = RangeTest(FLAGS.lr_min, FLAGS.lr_max, steps)
-            with locks.held(output_dir, "trainer.tools.lr_find"):
+            with locks.held(output_dir, "trainer.tools.lr_find", flag="--output_dir"):
                 loop.train_and_evaluate(config, stop_signals=stop,
                                         extra_callbacks=(test,))
                 suggestion = test.suggestion()
