@@ -624,6 +624,25 @@ def save_description(spec: DatasetSpec, directory: str) -> str:
     return path
 
 
+def keep_description(dataset: str, model_dir: str) -> None:
+    """Keeps a TFRecord dataset's description (dataset.json) in a run's model_dir,
+    copied or, for the codelab's files that have none, written from the data, so
+    that predict and export need no data files (spec_of_run)."""
+    if dataset.startswith(TFRECORD_PREFIX):
+        save_description(get_spec(dataset), model_dir)
+
+
+def spec_of_run(name: str, model_dir: str) -> DatasetSpec:
+    """A run's dataset description: a TFRecord run's is the dataset.json kept in its
+    model_dir (keep_description), so the data files need not be here."""
+    if name.startswith(TFRECORD_PREFIX):
+        if tf.io.gfile.exists(os.path.join(model_dir, TFRECORD_METADATA)):
+            # A pattern with no files here: the description alone.
+            spec = get_spec(TFRECORD_PREFIX + os.path.join(model_dir, "no-records-*.tfrec"))
+            return dataclasses.replace(spec, name=name)
+    return get_spec(name)
+
+
 HOLDOUT_SEED = 20260101  # fixed: every run and every seed uses the same validation set
 
 

@@ -111,6 +111,10 @@ def test_tpu_local_falls_back_with_a_warning_unless_required(tmp_path, run):
     ({"clip_grad_norm": -1.0}, "--clip_grad_norm must be >= 0"),
     ({"on_nan": "retry"}, "unknown on_nan 'retry'; valid: skip_step, stop"),
     ({"augment": "mixup"}, "unknown augment 'mixup'; valid: crop_flip_saturation"),
+    # (issue 44: accepted, then trained at learning rate 1 throughout)
+    ({"min_learning_rate": 1.0, "learning_rate": 0.001, "lr_schedule": "cosine"},
+     "--min_learning_rate=1.0 is above --learning_rate=0.001"),
+    ({"model_options": "x" * 10_000}, "--model_options: 'xxxxxxxx"),
 ])
 def test_bad_flag_values_are_named_with_the_valid_ones(tiny_config, change, message):
     from trainer.config import ConfigError, validate

@@ -384,7 +384,7 @@ def _candidates(model_dir: str) -> list[str]:
             paths.append(state.model_checkpoint_path)
     # The index may hold absolute paths of a directory that was moved: use names.
     paths = [os.path.join(model_dir, os.path.basename(p)) for p in paths]
-    return sorted(paths, key=lambda p: int(p.rsplit("-", 1)[-1]), reverse=True)
+    return sorted(paths, key=step_of, reverse=True)
 
 
 def restore_latest(checkpoint: tf.train.Checkpoint, model_dir: str,

@@ -467,6 +467,11 @@ def validate(config: Config, model_names, dataset_names) -> Config:
     config.task_options()
     if not 0 < config.lr_decay_rate <= 1:
         raise ConfigError(f"--lr_decay_rate must be in (0, 1], got {config.lr_decay_rate}")
+    if config.min_learning_rate > config.learning_rate:  # (a decay would climb)
+        raise ConfigError(f"--min_learning_rate={config.min_learning_rate} is above "
+                          f"--learning_rate={config.learning_rate}: it is the floor the "
+                          f"--lr_schedule decays to and the warmup's start; give "
+                          f"min_learning_rate <= learning_rate")
     if config.lr_schedule == "range_test" and not 0 < config.min_learning_rate < (
             config.learning_rate):
         raise ConfigError(f"--lr_schedule=range_test climbs from --min_learning_rate to "

@@ -108,7 +108,7 @@ class Evaluator:
             self.eval_loop, self.eval_dataset, self.plan, self.spec, self.run.task,
             state=self.run.state, splits=self.splits)
         result = averaging.evaluate_raw_and_averaged(evaluate, self.run.state)
-        step_number = int(checkpoint_path.rsplit("-", 1)[-1])
+        step_number = checkpoints.step_of(checkpoint_path)
         return {"step": step_number, "epoch": step_number / self.plan.steps_per_epoch,
                 "checkpoint": os.path.basename(checkpoint_path),
                 **{k: v for k, v in result.items() if isinstance(v, (int, float))}}
@@ -180,7 +180,7 @@ def evaluate_checkpoints(model_dir: str, output_dir: str, checkpoint: str | None
             # Done, and its last checkpoint evaluated (it may have come just now).
             latest = tf.train.latest_checkpoint(model_dir)
             return _run_done(model_dir) and (
-                latest is None or int(latest.rsplit("-", 1)[-1]) <= last_step)
+                latest is None or checkpoints.step_of(latest) <= last_step)
 
         for newest in tf.train.checkpoints_iterator(model_dir, min_interval_secs=1,
                                                     timeout=2, timeout_fn=stop_waiting):
@@ -188,19 +188,19 @@ def evaluate_checkpoints(model_dir: str, output_dir: str, checkpoint: str | None
             # not only the newest (evaluating can be slower than checkpointing).
             state = tf.train.get_checkpoint_state(model_dir)
             listed = list(state.all_model_checkpoint_paths) if state else [newest]
-            paths = sorted({*listed, newest}, key=lambda p: int(p.rsplit("-", 1)[-1]))
+            paths = sorted({*listed, newest}, key=checkpoints.step_of)
             # The run saves at every multiple of its interval: those between the
             # last one evaluated and the oldest listed were rotated away unseen.
             every = evaluator.config.checkpoint_every or evaluator.plan.steps_per_epoch
-            oldest = int(paths[0].rsplit("-", 1)[-1])
+            oldest = checkpoints.step_of(paths[0])
             for step in range((last_step // every + 1) * every, oldest, every):
                 if last_step >= 0 or step > 0:
                     miss(f"ckpt-{step}", "deleted by the trainer's --keep_checkpoints "
                          "before the evaluator saw it")
             for path in paths:
-                if int(path.rsplit("-", 1)[-1]) > last_step:
+                if checkpoints.step_of(path) > last_step:
                     record(path)
-                    last_step = int(path.rsplit("-", 1)[-1])
+                    last_step = checkpoints.step_of(path)
             last_new = time.time()
     writer.close()
     if missed:

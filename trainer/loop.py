@@ -13,7 +13,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from data import files
+from data import files, sources
 import models
 from trainer import averaging, build, callbacks as callbacks_lib, checkpoints, distributed
 from trainer import evaluation, faults, locks
@@ -23,7 +23,6 @@ from trainer import config as config_lib
 from trainer.config import Config, ConfigError
 from trainer.output import figures, progress_bar, recorder as recorder_lib
 from trainer.output import progress as progress_lib
-from trainer.serving import inference
 
 
 def plot_schedule(config: Config) -> str:
@@ -133,7 +132,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                                f"{runtime.device_kind}")
     checkpoints.prepare_model_dir(config.model_dir, config.as_dict(), is_chief, where)
     if is_chief:  # so that predict and export work without the data files
-        inference.keep_dataset_description(config.dataset, config.model_dir)
+        sources.keep_description(config.dataset, config.model_dir)
     # The run's callbacks (trainer/callbacks.py): saved in every checkpoint beside
     # the state, so their own state resumes with it.
     run_callbacks = callbacks_lib.Callbacks([*callbacks_lib.for_run(config, task),
@@ -241,7 +240,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             locks.check_held(config.model_dir)  # (still this process's directory?)
             with averaging.averaged_weights(state):  # (those just evaluated)
                 checkpoints.save_weights(run.output_model, os.path.join(
-                    config.model_dir, inference.BEST_WEIGHTS_FILE))
+                    config.model_dir, checkpoints.BEST_WEIGHTS_FILE))
         run_callbacks.eval(at_step, {**record, **recorder.last_details}, state)
 
     # --- Train: in-graph loops of up to steps_per_loop steps --------------------------
@@ -354,7 +353,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
         if is_chief:
             locks.check_held(config.model_dir)
             checkpoints.save_weights(run.output_model, os.path.join(
-                config.model_dir, inference.WEIGHTS_FILE))
+                config.model_dir, checkpoints.WEIGHTS_FILE))
     metrics["state_sha256"] = progress_lib.state_checksum(state)  # (raw, all of it)
     metrics = recorder.finish(metrics, schedules.sample_points(schedule, 200),
                               plan.steps_per_epoch)

@@ -3,7 +3,6 @@ its task from its model_dir (with trainer/build.py, as training does), and prepa
 images exactly as evaluation does (resize to the model's size, then the dataset's
 normalization). Used by predict, export and the pictures.
 """
-import dataclasses
 import os
 
 from absl import logging
@@ -57,7 +56,7 @@ class TrainedModel:
             raise InferenceError(f"{config_path} not found: --model_dir must be the "
                                  f"directory of a training run")
         self.config = build.config_of_run(model_dir)
-        self.spec = build.model_input_spec(_dataset_spec(self.config.dataset, model_dir),
+        self.spec = build.model_input_spec(sources.spec_of_run(self.config.dataset, model_dir),
                                            self.config.model)
         self.image_size = inputs.image_shape(self.config, self.spec)[0]
         weights, self.weights = checkpoints.weights_to_serve(model_dir)
@@ -104,23 +103,3 @@ class TrainedModel:
                           for image in images])
         return {key: np.asarray(value)
                 for key, value in self.task.serve_images(self.model, batch).items()}
-
-
-def _dataset_spec(name: str, model_dir: str) -> sources.DatasetSpec:
-    """The run's dataset description. A TFRecord run's dataset.json is copied into
-    its model_dir at training time, so the data files need not be here."""
-    if name.startswith(sources.TFRECORD_PREFIX):
-        kept = os.path.join(model_dir, sources.TFRECORD_METADATA)
-        if tf.io.gfile.exists(kept):
-            # A pattern with no files here: the description alone.
-            spec = sources.get_spec(sources.TFRECORD_PREFIX +
-                                    os.path.join(model_dir, "no-records-*.tfrec"))
-            return dataclasses.replace(spec, name=name)
-    return sources.get_spec(name)
-
-
-def keep_dataset_description(dataset: str, model_dir: str) -> None:
-    """Keeps a TFRecord dataset's description (dataset.json) in model_dir, copied or,
-    for the codelab's files that have none, written from the data (see _dataset_spec)."""
-    if dataset.startswith(sources.TFRECORD_PREFIX):
-        sources.save_description(sources.get_spec(dataset), model_dir)

@@ -32,7 +32,7 @@ from absl import flags
 import tensorflow as tf
 
 from data import files
-from trainer import cli, locks
+from trainer import checkpoints, cli, locks
 
 FLAGS = flags.FLAGS
 
@@ -74,7 +74,7 @@ class Kill:
 
 def _latest_step(model_dir: str) -> int:
     path = tf.train.latest_checkpoint(model_dir)
-    return int(path.rsplit("-", 1)[-1]) if path else 0
+    return checkpoints.step_of(path) if path else 0
 
 
 class _Launch:
