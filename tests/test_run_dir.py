@@ -297,7 +297,7 @@ def test_a_teacher_or_classifier_run_config_is_checked_as_flags_are(tmp_path, ti
         with open(path, "w") as f:
             json.dump({**settings, key: value}, f)
         with pytest.raises((checkpoints.CheckpointError, ConfigError)) as raised:
-            builder.finished_classifier(teacher, "--teacher_dir", "model.weights.h5")
+            builder.finished_classifier(teacher, "--teacher_dir", "final")
         assert message in str(raised.value) and path in str(raised.value)
         assert len(str(raised.value)) < 300 + len(path)
     with open(path, "w") as f:  # a teacher resumed and stopped: its final file is old
@@ -307,7 +307,7 @@ def test_a_teacher_or_classifier_run_config_is_checked_as_flags_are(tmp_path, ti
         json.dump(files_json, f)
     with pytest.raises(ConfigError, match="the run has not finished: its metrics.json "
                        "says 'stopped' at step 600"):
-        builder.finished_classifier(teacher, "--teacher_dir", "model.weights.h5")
+        builder.finished_classifier(teacher, "--teacher_dir", "final")
 
 
 @pytest.mark.long(8)  # seconds, with -n 2

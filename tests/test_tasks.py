@@ -222,8 +222,7 @@ def test_a_teacher_of_another_dataset_or_size_is_refused(tiny_config, tmp_path,
     def load_teacher(config, spec):  # as Distill.create_state does
         builder = build.StateBuilder(config, spec, None, tf.distribute.get_strategy(),
                                      "float32", build.SERVE, build.make_task(config, spec))
-        return builder.finished_classifier(teacher_dir, "--teacher_dir",
-                                           "model.weights.h5")
+        return builder.finished_classifier(teacher_dir, "--teacher_dir", "final")
 
     with pytest.raises(ConfigError, match="they need the same dataset"):
         load_teacher(config, sources.get_spec("cifar10"))

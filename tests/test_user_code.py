@@ -226,3 +226,40 @@ def test_an_installed_packages_entry_point_is_imported_by_every_command(tmp_path
         assert sys.modules["my_plugin"].LOADED
     finally:
         sys.modules.pop("my_plugin", None)
+
+
+@pytest.mark.long(15)  # seconds, with -n 3
+def test_a_task_file_may_import_any_trainer_module_at_its_top(tmp_path):
+    """Issue 44: a task file in trainer/tasks/ that imports trainer.build at its top
+    trained, but predict and export on its run died with `ImportError: cannot import
+    name 'Config' from partially initialized module 'trainer.config'` (config.py
+    imported the tasks package, which imported every task file, which imported
+    build, which imported config). Each command's module first, in a process of its
+    own, in a copy of the project holding such a file."""
+    import shutil
+    import subprocess
+    from test_main import ROOT
+    copy = tmp_path / "project"
+    for package in ("trainer", "models", "data"):
+        shutil.copytree(os.path.join(ROOT, package), copy / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "trainer" / "tasks" / "my_task.py").write_text(textwrap.dedent('''
+        from trainer import build  # noqa: F401 (what the issue's researcher wrote)
+        from trainer.tasks import base, classification
+
+
+        @base.register
+        class MyTask(classification.Classification):
+            name = "my_task"
+    '''))
+    code = ("import importlib, sys; importlib.import_module(sys.argv[1]); "
+            "from trainer import tasks; assert 'my_task' in tasks.names(), tasks.names()")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(copy))
+    commands = ["trainer.serving.predict", "trainer.serving.export", "trainer.evaluate",
+                "trainer.main", "trainer.check_step"]
+    started = [subprocess.Popen([sys.executable, "-c", code, module], cwd=copy, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True) for module in commands]
+    for module, process in zip(commands, started):
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, f"{module}: {err[-1500:]}"

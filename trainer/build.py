@@ -257,14 +257,16 @@ class StateBuilder:
         model.trainable = False
         return model
 
-    def finished_classifier(self, directory: str, flag: str, weights_file: str,
+    def finished_classifier(self, directory: str, flag: str, weights: str = "final",
                             tasks: tuple[str, ...] = ("classification",)) -> keras.Model:
         """The model of a finished run in `directory` (a run of one of `tasks` on
         this run's dataset and image size; its run_config.json checked as this run's
-        flags are, config_of_run), with its `weights_file`: a distillation teacher,
-        the Fréchet distance's classifier. Anything else is one line: also final
-        weights of a run that has not finished (resumed, stopped: they are an older
-        end's)."""
+        flags are, config_of_run), with its "final" (model.weights.h5) or "best"
+        (best.weights.h5) weights: a distillation teacher, the Fréchet distance's
+        classifier. Anything else is one line: also final weights of a run that has
+        not finished (resumed, stopped: they are an older end's)."""
+        weights_file = {"final": checkpoints.WEIGHTS_FILE,
+                        "best": checkpoints.BEST_WEIGHTS_FILE}[weights]
         path = os.path.join(directory, weights_file)
         for needed in (os.path.join(directory, checkpoints.RUN_CONFIG), path):
             if not tf.io.gfile.exists(needed):
@@ -272,7 +274,7 @@ class StateBuilder:
                                   f"finished run's directory")
         run = config_of_run(directory, flag)
         served, why = checkpoints.weights_to_serve(directory)
-        if weights_file == checkpoints.WEIGHTS_FILE and served != weights_file:
+        if weights == "final" and served != weights_file:
             raise ConfigError(f"{flag}={directory}: {why}; let it finish, or take its "
                               f"{checkpoints.BEST_WEIGHTS_FILE}")
         if run.task not in tasks:

@@ -290,13 +290,12 @@ def read_csv(path: str) -> list[dict]:
         return list(csv.DictReader(io.StringIO(f.read())))
 
 
-def for_run(config, task) -> list[Callback]:
+def for_run(config, task, tensorboard: list[Callback]) -> list[Callback]:
     """A run's callbacks (see the module docstring): the CSV log, TensorBoard's
-    HParams, Text and histograms, early stopping with --early_stop_patience,
+    (`tensorboard`: HParams and Text, histograms with --histograms: trainer/output/
+    makes them, importing this module), early stopping with --early_stop_patience,
     --callbacks' registered ones, the task's own."""
-    chosen: list[Callback] = [CsvLogger()]
-    from trainer import output  # (its callbacks import this module)
-    chosen += output.tensorboard_callbacks(config)
+    chosen: list[Callback] = [CsvLogger(), *tensorboard]
     if config.early_stop_patience:
         chosen.append(EarlyStopping(config.early_stop_patience, task.best_metric,
                                     task.higher_is_better, config.early_stop_min_delta))

@@ -217,14 +217,12 @@ class _Trial:
         state = self.run.state
         # Everything the state holds (with the random generators' state), and of it
         # what is compared (the batch-norm pass counters are check_step's own).
-        rng = [v for key, items in state.trackables().items() if key.startswith("rng")
-               for v in items]
         self.compared = [(name, v) for name, v in state.compared_variables()
                          if not name.endswith(COUNTER)]
         self.counters = [(name.rsplit("/", 2)[-2], v) for name, v in
                          state.compared_variables() if name.endswith(COUNTER)]
         self.variables = ([v for _, v in self.compared] + [v for _, v in self.counters]
-                          + rng)  # (the compared ones first)
+                          + state.random_variables())  # (the compared ones first)
         dataset = tf.data.Dataset.from_tensor_slices(data).batch(config.batch_size)
         self.dataset = strategy.experimental_distribute_dataset(
             dataset.with_options(_no_autoshard()))

@@ -26,6 +26,7 @@ from absl import logging
 import tensorflow as tf
 
 from data import files
+from trainer import config as config_lib, state as state_lib
 
 RUN_CONFIG = "run_config.json"      # the settings, as the run started: never rewritten
 RUN_HISTORY = "run_history.json"    # every start: what it changed, where it ran
@@ -108,7 +109,6 @@ def written_by_a_run(name: str) -> bool:
 def comparable_settings(run_config: dict) -> dict:
     """Every setting of a run, flat (its task's own too), as JSON holds them: the
     defaults of those an older run_config.json lacks filled in."""
-    from trainer import config as config_lib
     try:
         config = config_lib.from_dict(run_config)
         values = {**config.as_dict(), **dataclasses.asdict(config.task_options())}
@@ -135,7 +135,6 @@ def check_previous_run(model_dir: str, run_config: dict
     resume_with_changes. A folder of other files (no run_config.json) is refused.
     Returns the settings this start changes. Reads only: called before the
     expensive set-up, and again before writing."""
-    from trainer import config as config_lib
     files.refuse_links(model_dir, flag="--model_dir")  # (before anything is read)
     if not tf.io.gfile.exists(os.path.join(model_dir, RUN_CONFIG)):
         # (A temporary of run_config.json: the chief writing it as this worker
@@ -220,7 +219,6 @@ def read_run_config(model_dir: str, flag: str = "--model_dir") -> dict:
         advice = (f"{flag} must be a training run's directory" if "not found" in str(err)
                   else f"restore it from a backup, or use another {flag}")
         raise CheckpointError(f"{err}; {advice}") from err
-    from trainer import config as config_lib
     for start in _read_history(model_dir):
         for key, (_, now) in (start.get("changed") or {}).items():
             if key in config_lib.FLAG_FIELDS:
@@ -316,9 +314,7 @@ class NonFiniteError(RuntimeError):
 def check_finite(named_variables: list, what: str, step: int | None = None) -> None:
     """NonFiniteError naming the first variables holding a NaN or an infinity, so
     that no checkpoint, weights file or export ever holds one."""
-    bad = [name for name, v in named_variables
-           if tf.as_dtype(v.dtype).is_floating
-           and not bool(tf.reduce_all(tf.math.is_finite(v)))]
+    bad = state_lib.nonfinite_names(named_variables)
     if bad:
         at = f" at step {step}" if step is not None else ""
         raise NonFiniteError(f"{len(bad)} variable(s) hold a NaN or an infinity{at} "

@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 
-from data import augment as augment_lib, files, sources
+from data import augment as augment_lib, files
 import models
 from trainer import callbacks as callbacks_lib, optimizers, recipes, schedules, tasks
 from trainer.settings import ConfigError, non_finite, setting as _  # noqa: F401 (re-exported)
@@ -34,15 +34,16 @@ class Config:
     """Everything that defines a run. Defaults are the seed's CIFAR-10 recipe; each
     model's recipe (trainer/recipes.py) overrides them, flags override both."""
     # --- what to train, on what ---
-    task: str = _("classification", f"What the run optimizes and measures: "
-                  f"{_choices(tasks.names())} (trainer/tasks/; each has its own "
-                  "settings and recipe).")
-    model: str = _("cifar_cnn", f"Model: {_choices(models.names())}.")
+    # ({tasks}, {models}, {datasets}: the registries' names, filled in when the flags
+    # are made, trainer/run_flags.py: a user's own included, none imported here.)
+    task: str = _("classification", "What the run optimizes and measures: {tasks} "
+                  "(trainer/tasks/; each has its own settings and recipe).")
+    model: str = _("cifar_cnn", "Model: {models}.")
     model_size: str = _("full", "full|tiny (tiny: the small test variant).")
     model_options: str = _("", "The model builder's own options, 'name=value,...' (e.g. "
                            "'widths=32:64:128,whiten=false' for airbench; tuples as "
                            "a:b:c).")
-    dataset: str = _("cifar10", f"Dataset: {_choices(sources.names())}, any TFDS "
+    dataset: str = _("cifar10", "Dataset: {datasets}, any TFDS "
                      "image-classification dataset as NAME[:VERSION] (e.g. cifar100, "
                      "imagenet2012, food101: classes, sizes and splits from its info), or "
                      "'tfrecord:PATTERN[;eval=EVAL_PATTERN][;classes=N]' (TFRecords in "

@@ -20,7 +20,8 @@ SUM = tf.distribute.ReduceOp.SUM
 INPUT_WAIT = "input_wait_seconds"  # the loop's own entries in a train loop's sums
 NONFINITE_AT = "_nonfinite_at_step"  # (first step leaving a non-finite weight or 0, 1)
 LOOP_KEYS = (INPUT_WAIT, NONFINITE_AT)
-Sums = dict[str, tuple[tf.Tensor, tf.Tensor]]
+Metric = tuple[tf.Tensor, tf.Tensor]  # (total, weight): shown as total / weight
+Sums = dict[str, Metric]
 
 
 class StepContractError(ConfigError):

@@ -21,7 +21,8 @@ from trainer import flops, inputs, provenance, randomness, schedules
 from trainer import strategy as strategy_lib
 from trainer import config as config_lib
 from trainer.config import Config, ConfigError
-from trainer.output import figures, progress_bar, recorder as recorder_lib
+from trainer.output import figures, histograms, hparams, progress_bar
+from trainer.output import recorder as recorder_lib
 from trainer.output import progress as progress_lib
 
 
@@ -135,7 +136,10 @@ def train_and_evaluate(config: Config, display: IO | None = None,
         sources.keep_description(config.dataset, config.model_dir)
     # The run's callbacks (trainer/callbacks.py): saved in every checkpoint beside
     # the state, so their own state resumes with it.
-    run_callbacks = callbacks_lib.Callbacks([*callbacks_lib.for_run(config, task),
+    tensorboard = [hparams.HParams(), *([histograms.Histograms()] if config.histograms
+                                        else [])]
+    run_callbacks = callbacks_lib.Callbacks([*callbacks_lib.for_run(config, task,
+                                                                    tensorboard),
                                              *extra_callbacks])
     with strategy.scope():  # everything the state holds, all of it restored
         checkpoint = checkpoints.training_checkpoint(state)

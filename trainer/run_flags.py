@@ -41,8 +41,16 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     for field in sorted(_setting_fields(), key=lambda f: config_lib.help_rank(f.name)):
         kind = type(field.default) if field.default is not None else str
         cli.define_flag(flag_values, definers[kind], flag_name(field.name),
-                        field.default, field.metadata["help"],
+                        field.default, _with_choices(field.metadata["help"]),
                         topic=config_lib.help_topic(field.name))
+
+
+def _with_choices(text: str) -> str:
+    """A setting's help with the registries' names as they are now (the user's
+    own models, datasets and tasks, imported before the flags are made)."""
+    return (text.replace("{tasks}", "|".join(tasks.names()))
+            .replace("{models}", "|".join(models.names()))
+            .replace("{datasets}", "|".join(sources.names())))
 
 
 def config_from_flags(flag_values: flags.FlagValues) -> config_lib.Config:

@@ -45,10 +45,7 @@ class TrainState:
         for name, model in self.models.items():
             suffix = "" if name == MAIN else f"_{name}"
             items[f"model{suffix}"] = model
-            # Keras 3 keeps dropout's random-generator state in variables that a
-            # checkpoint of the model alone does not save.
-            items[f"rng{suffix}"] = [v.value for v in model.variables
-                                     if "seed_generator_state" in v.path]
+            items[f"rng{suffix}"] = random_state(model)
         for name, optimizer in self.optimizers.items():
             items["optimizer" if name == MAIN else f"optimizer_{name}"] = optimizer
         for name, variable in self.extras.items():
@@ -78,8 +75,13 @@ class TrainState:
     def model_variables(self) -> list:
         """The float variables a step writes to that the next forward pass reads:
         every model's weights and statistics, and the float extras."""
-        return [v for name, v in self.float_variables()
-                if not name.split("/", 1)[0].endswith("_optimizer")]
+        return [v for v in [*(w for model in self.models.values() for w in model.weights),
+                            *self.extras.values()] if tf.as_dtype(v.dtype).is_floating]
+
+    def random_variables(self) -> list:
+        """Every model's random generators' state (dropout's seeds): saved by the
+        checkpoint, restored by check_step with the rest, never compared."""
+        return [v for model in self.models.values() for v in random_state(model)]
 
     def replica_statistics(self) -> list:
         """The moving statistics of every model the step may change (not a frozen
@@ -90,9 +92,9 @@ class TrainState:
                 for v in moving_statistics(model)]
 
     def nonfinite(self) -> list[str]:
-        """The names of the variables holding a NaN or an infinity (eager)."""
-        return [name for name, v in self.float_variables()
-                if not bool(tf.reduce_all(tf.math.is_finite(v)))]
+        """The names of the variables holding a NaN or an infinity (eager): the one
+        scan behind the loop's divergence line and the checkpoint's guard."""
+        return nonfinite_names(self.compared_variables())
 
     # --- convenience -----------------------------------------------------------------
 
@@ -105,6 +107,19 @@ class TrainState:
     def optimizer(self) -> keras.optimizers.Optimizer:
         """The main model's optimizer."""
         return self.optimizers[MAIN]
+
+
+def nonfinite_names(named_variables: list) -> list[str]:
+    """The names of the float variables of (name, variable) pairs that hold a NaN
+    or an infinity (eager)."""
+    return [name for name, v in named_variables if tf.as_dtype(v.dtype).is_floating
+            and not bool(tf.reduce_all(tf.math.is_finite(v)))]
+
+
+def random_state(model: keras.Model) -> list:
+    """The variables of `model`'s random generators (Keras 3 keeps dropout's seed
+    state in variables that a checkpoint of the model alone does not save)."""
+    return [v.value for v in model.variables if "seed_generator_state" in v.path]
 
 
 def moving_statistics(model: keras.Model) -> list:

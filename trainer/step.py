@@ -28,15 +28,26 @@ total / weight, so sums over examples and per-step values (`per_step`) both come
 out right.
 """
 import dataclasses
-from typing import Callable
+from typing import Callable, Protocol
 
 import keras
 import tensorflow as tf
 
 from trainer import averaging, distributed, optimizers
+from trainer.distributed import Metric  # (total, weight): shown as total / weight
 from trainer.state import MAIN, TrainState, moving_statistics
-from trainer.tasks import Task
-from trainer.tasks.base import Metric  # (total, weight): shown as total / weight
+
+
+class Task(Protocol):
+    """What the default steps read of a task (trainer/tasks/base.py's Task, which
+    imports this module for its default step)."""
+    name: str
+    output_model: str
+
+    def loss(self, batch: dict, outputs) -> tuple[tf.Tensor, dict[str, Metric]]: ...
+    def predict(self, model: keras.Model, images: tf.Tensor): ...
+    def eval_metrics(self, batch: dict, predictions, weights: tf.Tensor
+                     ) -> dict[str, Metric]: ...
 
 SUM = tf.distribute.ReduceOp.SUM
 STEP_METRICS = ("loss", "grad_norm", "skipped")  # the step's own

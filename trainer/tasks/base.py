@@ -72,8 +72,10 @@ Outside the step (eager numpy, or the SavedModel's graph for `serve`):
   summary.png); `samples` holds the first eval examples ("image" uint8, ...).
 """
 import dataclasses
+import importlib
 import os
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+import pkgutil
+from typing import Any, Callable, ClassVar
 
 import keras
 import numpy as np
@@ -81,14 +83,12 @@ import tensorflow as tf
 
 import models
 from data import augment, sources
-from trainer import checkpoints
+from trainer import step
+from trainer.distributed import Metric  # (total, weight); tasks write base.Metric
 from trainer.settings import ConfigError
 from trainer.output import figures
+from trainer.state import TrainState
 
-if TYPE_CHECKING:
-    from trainer.state import TrainState
-
-Metric = tuple[tf.Tensor, tf.Tensor]  # (total, weight): shown as total / weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +161,7 @@ class Task:
 
     # --- the state and the step ------------------------------------------------------
 
-    def create_state(self, build) -> "TrainState":
+    def create_state(self, build) -> TrainState:
         """The run's state (under the strategy's scope): one model (--model) and its
         optimizer."""
         model = build.model()
@@ -173,17 +173,15 @@ class Task:
     # carries out all of them.)
     step_settings: tuple[str, ...] = ()
 
-    def train_step(self, state: "TrainState", batch: dict, options) -> dict[str, Metric]:
+    def train_step(self, state: TrainState, batch: dict, options) -> dict[str, Metric]:
         """One training step on one replica: trainer/step.py's supervised step."""
-        from trainer import step  # (step.py imports this module)
         return step.train_step(state, self, batch, options)
 
-    def eval_step(self, state: "TrainState", batch: dict) -> dict[str, Metric]:
+    def eval_step(self, state: TrainState, batch: dict) -> dict[str, Metric]:
         """One evaluation batch on one replica: `predict`, then `eval_metrics`."""
-        from trainer import step
         return step.eval_step(state, self, batch)
 
-    def before_evaluation(self, state: "TrainState", evaluator) -> None:
+    def before_evaluation(self, state: TrainState, evaluator) -> None:
         """Runs before each evaluation, on every worker (outside the step)."""
 
     def finish_evaluation(self, result: dict) -> dict:
@@ -206,7 +204,7 @@ class Task:
     def makes_own_batches(self) -> bool:
         return type(self).training_batch is not Task.training_batch
 
-    def training_flops(self, state: "TrainState", forward: Callable[[keras.Model], float],
+    def training_flops(self, state: TrainState, forward: Callable[[keras.Model], float],
                        options) -> float:
         """The float ops of one training step per example: 3 x the main model's
         forward pass (`forward(model)`; the backward is about twice the forward),
@@ -294,6 +292,21 @@ class Task:
 
 
 _TASKS: dict[str, type[Task]] = {}
+_FOLDER_IMPORTED = False
+
+
+def _import_the_folder() -> None:
+    """Imports every module of trainer/tasks/ (a task is one file there) once, at
+    the first look-up rather than with the package: a task file may then import
+    any trainer module at its top (trainer.build imports trainer.config, which
+    imports this package)."""
+    global _FOLDER_IMPORTED
+    if _FOLDER_IMPORTED:
+        return
+    _FOLDER_IMPORTED = True  # (before: a task module may look tasks up as it loads)
+    for module in pkgutil.iter_modules([os.path.dirname(__file__)]):
+        if module.name not in ("__init__", "base"):
+            importlib.import_module(f"trainer.tasks.{module.name}")
 
 
 def register(cls: type[Task]) -> type[Task]:
@@ -305,10 +318,12 @@ def register(cls: type[Task]) -> type[Task]:
 
 
 def names() -> tuple[str, ...]:
+    _import_the_folder()
     return tuple(sorted(_TASKS))
 
 
 def get(name: str) -> type[Task]:
+    _import_the_folder()
     if name not in _TASKS:
         raise ConfigError(f"unknown task {name!r}; valid: {', '.join(names())}")
     return _TASKS[name]

@@ -16,12 +16,8 @@ import dataclasses
 
 import tensorflow as tf
 
-from trainer import checkpoints
 from trainer.settings import ConfigError, check_range, setting
 from trainer.tasks import base, classification
-
-WEIGHTS = {"final": checkpoints.WEIGHTS_FILE, "best": checkpoints.BEST_WEIGHTS_FILE}
-
 
 @dataclasses.dataclass(frozen=True)
 class Settings(classification.Settings):
@@ -40,7 +36,7 @@ class Settings(classification.Settings):
         if not self.teacher_dir:
             raise ConfigError("--task=distill needs --teacher_dir=DIR, a finished run "
                               "(e.g. runs/airbench_cifar10)")
-        if self.teacher_weights not in WEIGHTS:
+        if self.teacher_weights not in ("final", "best"):
             raise ConfigError(f"--teacher_weights must be final or best, got "
                               f"{self.teacher_weights!r}")
         check_range("distill_alpha", self.distill_alpha, 0, 1)
@@ -68,7 +64,7 @@ class Distill(classification.Classification):
         if build.training:
             self.teacher = build.frozen(build.finished_classifier(
                 self.settings.teacher_dir, "--teacher_dir",
-                WEIGHTS[self.settings.teacher_weights],
+                self.settings.teacher_weights,
                 tasks=("classification", "distill")))
             state.models["teacher"] = self.teacher
         return state

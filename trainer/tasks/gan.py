@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 import models
-from trainer import checkpoints, optimizers, randomness, step
+from trainer import optimizers, randomness, step
 from trainer.output import figures
 from trainer.settings import ConfigError, setting
 from trainer.tasks import base
@@ -121,7 +121,7 @@ class Gan(base.Task):
                 state_models["fid_classifier"] = build.frozen(models.features_of(
                     build.finished_classifier(self.settings.fid_classifier_dir,
                                               "--fid_classifier_dir",
-                                              checkpoints.WEIGHTS_FILE)))
+                                              "final")))
         return build.state(state_models, state_optimizers)
 
     def to_model_input(self, generated: tf.Tensor) -> tf.Tensor:

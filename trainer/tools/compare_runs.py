@@ -29,6 +29,7 @@ import tensorflow as tf  # noqa: E402
 
 from data import files  # noqa: E402
 from trainer import checkpoints  # noqa: E402
+from trainer.output import figures  # noqa: E402
 
 
 FLAGS = flags.FLAGS
@@ -137,7 +138,6 @@ def plot(runs: dict[str, dict], path: str, target: float,
          metric: str = "test_accuracy", x: str = "epoch"):
     """Writes every run's curve, whole (the axes fit all its evaluations), and the
     target; returns the Figure."""
-    from trainer.output import figures
     fig = figures.mpl_figure.Figure(figsize=(7, 4), layout="constrained")
     ax = fig.subplots()
     for name, m in runs.items():

@@ -8,11 +8,18 @@ first conv and its 2x2 pool, and after its second conv), mixed_bfloat16 as the
 recipe trains; each round times every variant once, interleaved. Prints ms per
 forward+backward pass.
 """
+import sys
 import time
 
-from absl import flags
-
 from trainer import cli
+
+cli.set_native_log_level(sys.argv)  # before TensorFlow starts
+
+from absl import flags  # noqa: E402
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from models import airbench, fused  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -36,8 +43,6 @@ def shapes(batch_size: int, widths: list[int]) -> list[tuple[int, int, int, int]
 
 def time_pass(make_batch_norm, activation, input_shapes, repeats: int) -> float:
     """ms per forward+backward pass of BN -> activation over every shape."""
-    import keras
-    import tensorflow as tf
     inputs = [tf.Variable(tf.random.normal(shape)) for shape in input_shapes]
     norms = [make_batch_norm() for _ in input_shapes]
 
@@ -65,8 +70,6 @@ def time_pass(make_batch_norm, activation, input_shapes, repeats: int) -> float:
 
 def main(argv: list[str]) -> None:
     del argv
-    import keras
-    from models import airbench, fused
     input_shapes = shapes(FLAGS.batch_size, [int(w) for w in FLAGS.widths])
     options = dict(momentum=airbench.BN_MOMENTUM, epsilon=1e-12, scale=False)
     keras_gelu = lambda x: keras.activations.gelu(x, approximate=False)  # noqa: E731
