@@ -303,6 +303,18 @@ def test_two_trainers_on_one_directory_one_trains_and_a_kill_9_needs_no_cleanup(
     assert not _leftovers(model_dir)
 
 
+def test_every_file_a_run_writes_is_one_whose_temporary_a_restart_removes(
+        finished_tiny, tiny_config):
+    # A kill -9 during any of these writes leaves `<name>.tmp-<hex>`; the next start
+    # removes it only if checkpoints.written_by_a_run(name) (log.csv was missed once).
+    top = [name for name in os.listdir(tiny_config.model_dir)
+           if os.path.isfile(os.path.join(tiny_config.model_dir, name))
+           and not name.startswith(("ckpt-", "checkpoint"))]
+    assert "log.csv" in top and "run_config.json" in top
+    assert [name for name in top if not checkpoints.written_by_a_run(name)] == []
+    assert not checkpoints.written_by_a_run("notes.txt")
+
+
 def test_an_evaluator_cannot_write_into_a_directory_a_trainer_holds(tmp_path, capsys):
     lock = locks.acquire(str(tmp_path / "run"), "trainer.main")
     try:

@@ -101,9 +101,11 @@ def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True,
 
 def written_by_a_run(name: str) -> bool:
     """Whether a run's commands write files of this name in its directory (their
-    temporaries, `<name>.tmp-<hex>`, are the run's): its records (.json), weights
-    (.weights.h5), figures (.png) and lock. A user's `notes.tmp-<hex>` is not."""
-    return name == "writer.lock" or name.endswith((".json", ".weights.h5", ".png"))
+    temporaries, `<name>.tmp-<hex>`, are the run's): its records (.json, log.csv),
+    weights (.weights.h5), figures (.png) and lock. A user's `notes.tmp-<hex>` is
+    not. tests/test_nothing_lost.py checks every file a finished run leaves."""
+    return name in ("writer.lock", "log.csv") or name.endswith(
+        (".json", ".weights.h5", ".png"))
 
 
 def comparable_settings(run_config: dict) -> dict:
