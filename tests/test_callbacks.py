@@ -89,9 +89,9 @@ def test_a_registered_callback_sees_every_hook_and_stops_the_run(tiny_config):
 
 
 def test_an_unknown_callback_is_one_error_naming_the_registered_ones(tiny_config):
-    from trainer import config as config_lib
+    from trainer import config as config_lib, run_settings
     with pytest.raises(config_lib.ConfigError, match="unknown callback 'nope'"):
-        config_lib.validate(tiny_config.replace(callbacks="nope"), ("cifar_cnn",),
+        run_settings.validate(tiny_config.replace(callbacks="nope"), ("cifar_cnn",),
                             ("synthetic",))
 
 

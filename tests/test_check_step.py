@@ -17,7 +17,7 @@ from trainer.tasks import distill
 def _check(config):
     """check_step at its defaults (3 steps, the default tolerance)."""
     result = check_step.run_check(config.replace(batch_size=16), devices=CPUS[:2])
-    return result, check_step.report(result, config, 3)
+    return result, check_step.report(result)
 
 
 @pytest.mark.long(12)  # seconds, with -n 2

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import models
-from trainer import checkpoints, loop, optimizers
+from trainer import checkpoints, loop, optimizers, run_dir
 
 
 def _state(seed):
@@ -62,13 +62,13 @@ def test_model_dir_of_another_model_is_refused_untouched(tiny_config, finished_t
 def test_resuming_with_other_model_options_or_lookahead_is_refused(tmp_path):
     run = {"model": "airbench", "model_size": "full", "dataset": "cifar10",
            "optimizer": "sgd", "lookahead_every": 5}
-    checkpoints.prepare_model_dir(str(tmp_path), run)  # an older run: no model_options
+    run_dir.prepare_model_dir(str(tmp_path), run)  # an older run: no model_options
     (tmp_path / "ckpt-5.index").write_bytes(b"")  # (it kept a step: it is a run)
-    checkpoints.prepare_model_dir(str(tmp_path), {**run, "model_options": ""})
+    run_dir.prepare_model_dir(str(tmp_path), {**run, "model_options": ""})
     for change, named in [({"model_options": "whiten=false"}, "model_options"),
                           ({"lookahead_every": 0}, "lookahead_every > 0")]:
         with pytest.raises(checkpoints.CheckpointError, match=f"holds a run with {named}="):
-            checkpoints.prepare_model_dir(str(tmp_path), {**run, **change})
+            run_dir.prepare_model_dir(str(tmp_path), {**run, **change})
 
 
 def test_a_directory_where_no_step_was_kept_is_not_yet_a_run(tmp_path, monkeypatch):
@@ -76,14 +76,14 @@ def test_a_directory_where_no_step_was_kept_is_not_yet_a_run(tmp_path, monkeypat
     -9) left run_config.json and run_history.json: a start with other settings
     begins the run afresh there, with one line, instead of being refused."""
     run = {"model": "airbench", "dataset": "cifar10", "learning_rate": 0.001}
-    checkpoints.prepare_model_dir(str(tmp_path), run)
+    run_dir.prepare_model_dir(str(tmp_path), run)
     changed = {**run, "learning_rate": 0.01, "model": "resnet"}
-    assert checkpoints.check_previous_run(str(tmp_path), changed) == []
+    assert run_dir.check_previous_run(str(tmp_path), changed) == []
     lines = []  # (the line itself: absl's verbosity is another test's to set)
     monkeypatch.setattr(checkpoints.logging, "info", lambda text, *args: lines.append(
         text % args))
-    checkpoints.prepare_model_dir(str(tmp_path), changed)
-    assert checkpoints.read_run_config(str(tmp_path))["learning_rate"] == 0.01
+    run_dir.prepare_model_dir(str(tmp_path), changed)
+    assert run_dir.read_run_config(str(tmp_path))["learning_rate"] == 0.01
     history = json.loads((tmp_path / checkpoints.RUN_HISTORY).read_text())
     assert [start["start"] for start in history] == [1]  # the afresh start's alone
     line, = [line for line in lines if "afresh" in line]
@@ -92,7 +92,7 @@ def test_a_directory_where_no_step_was_kept_is_not_yet_a_run(tmp_path, monkeypat
     for kept in ("ckpt-20.index", checkpoints.BEST_WEIGHTS_FILE):
         (tmp_path / kept).write_bytes(b"")
         with pytest.raises(checkpoints.CheckpointError):
-            checkpoints.prepare_model_dir(str(tmp_path), run)
+            run_dir.prepare_model_dir(str(tmp_path), run)
         (tmp_path / kept).unlink()
 
 
@@ -100,7 +100,7 @@ def test_unwritable_model_dir_is_a_clear_error(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     with pytest.raises(checkpoints.CheckpointError, match="choose a writable directory"):
-        checkpoints.prepare_model_dir(str(blocker / "run"), {"model": "x"})
+        run_dir.prepare_model_dir(str(blocker / "run"), {"model": "x"})
 
 
 def _truncate(model_dir: str, step: int) -> None:
@@ -181,7 +181,7 @@ def test_a_run_config_the_chief_writes_between_the_two_looks_is_a_run(tmp_path,
             return False
         return real_exists(path)
     monkeypatch.setattr(tf.io.gfile, "exists", first_look_misses)
-    assert checkpoints.check_previous_run(str(tmp_path), settings) == []
+    assert run_dir.check_previous_run(str(tmp_path), settings) == []
     assert looks  # (the race was played)
 
 
@@ -196,8 +196,8 @@ def test_a_run_config_the_chief_is_writing_is_a_new_run_not_foreign_files(tmp_pa
     writing = files.temporary_name(str(tmp_path / checkpoints.RUN_CONFIG))
     with open(writing, "w") as f:
         f.write(json.dumps(settings)[:10])  # half written
-    assert checkpoints.check_previous_run(str(tmp_path), settings) == []
+    assert run_dir.check_previous_run(str(tmp_path), settings) == []
     # A user's file beside it is still refused, and so is a temporary of theirs.
     (tmp_path / "notes.txt.tmp-" f"{'0' * 32}").write_text("")
     with pytest.raises(checkpoints.CheckpointError, match="notes.txt.tmp-"):
-        checkpoints.check_previous_run(str(tmp_path), settings)
+        run_dir.check_previous_run(str(tmp_path), settings)

@@ -81,8 +81,10 @@ def test_skip_step_keeps_schedule_and_data_position_together(tmp_path):
     assert metrics["skipped_steps"] >= 1 and metrics["steps"] == 6
     with open(os.path.join(config.model_dir, "metrics.json")) as f:
         history = json.load(f)["train_history"]
-    from trainer import build
-    schedule = build.make_schedule(config, build.Plan.make(config, 10_000, 2_000, 1))
+    from trainer import build, config as config_lib, schedules
+    plan = build.Plan.make(config.group(config_lib.LoopSettings), 1, 10_000, 2_000, 1)
+    schedule = config.group(schedules.ScheduleSettings).make(plan.total_steps,
+                                                             plan.steps_per_epoch)
     for record in history:  # the LR of the next step, at every step, skipped or not
         assert record["learning_rate"] == pytest.approx(float(schedule(record["step"])))
     assert tf.train.latest_checkpoint(config.model_dir).endswith("ckpt-6")

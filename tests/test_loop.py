@@ -118,10 +118,14 @@ def test_evaluation_has_its_own_batch_size_split_over_the_replicas(tiny_config):
     batch is padded and masked (tests/test_data.py), so any size is exact."""
     from trainer import build
     from trainer.config import ConfigError
-    plan = build.Plan.make(tiny_config.replace(eval_batch_size=256), 10_000, 2_000, 2)
-    assert (plan.eval_steps, plan.steps_per_epoch, plan.per_replica_batch) == (8, 625, 8)
-    assert build.Plan.make(tiny_config.replace(eval_batch_size=0), 10_000, 2_000,
-                           2).eval_steps == 125  # 2,000 / 16
+    from trainer.config import LoopSettings
+
+    def plan(eval_batch_size: int) -> build.Plan:
+        loop = tiny_config.replace(eval_batch_size=eval_batch_size).group(LoopSettings)
+        return build.Plan.make(loop, 1, 10_000, 2_000, 2)
+    assert (plan(256).eval_steps, plan(256).steps_per_epoch,
+            plan(256).per_replica_batch) == (8, 625, 8)
+    assert plan(0).eval_steps == 125  # 2,000 / 16
     with pytest.raises(ConfigError, match="--eval_batch_size=255 does not divide by "
                                           "the 2 replicas"):
-        build.Plan.make(tiny_config.replace(eval_batch_size=255), 10_000, 2_000, 2)
+        plan(255)

@@ -117,7 +117,8 @@ def test_tpu_local_falls_back_with_a_warning_unless_required(tmp_path, run):
     ({"model_options": "x" * 10_000}, "--model_options: 'xxxxxxxx"),
 ])
 def test_bad_flag_values_are_named_with_the_valid_ones(tiny_config, change, message):
-    from trainer.config import ConfigError, validate
+    from trainer.config import ConfigError
+    from trainer.run_settings import validate
     with pytest.raises(ConfigError) as raised:
         validate(tiny_config.replace(**change), models.names(), sources.names())
     assert message in str(raised.value) and "\n" not in str(raised.value)
@@ -273,8 +274,8 @@ def test_help_shows_every_flag_once_under_its_topic_and_exits_0(asked, capsys):
 
 
 def test_every_setting_has_a_help_topic():
-    from trainer import config as config_lib, tasks
+    from trainer import config as config_lib, run_settings, tasks
     for name in [*config_lib.FLAG_FIELDS, *tasks.all_setting_fields()]:
-        assert config_lib.help_topic(name) != "other", name
+        assert run_settings.help_topic(name) != "other", name
     listed = [name for fields in config_lib.TOPICS.values() for name in fields]
     assert sorted(listed) == sorted(config_lib.FLAG_FIELDS)  # each once, none stale

@@ -92,7 +92,7 @@ def _served_run(model_dir, task: str, teacher_dir: str = "") -> str:
                                model_dir=str(model_dir))
     if task == "distill":
         config = config.with_settings(teacher_dir=teacher_dir)
-    run = build.build_run(config, build.dataset_spec(config), None,
+    run = build.build_run(config, build.run_data(config).spec, None,
                           tf.distribute.get_strategy(), purpose=build.SERVE)
     os.makedirs(model_dir)
     checkpoints.save_weights(run.output_model, str(model_dir / "model.weights.h5"))

@@ -48,15 +48,15 @@ def test_each_optimizer_makes_the_same_update_on_one_and_two_replicas(name):
 def test_optimizer_options_reach_the_constructor():
     variables = [tf.Variable(1.0)]
     adam = optimizers.create("adam", 0.1, variables,
-                             options_text="beta_1=0.5,amsgrad=true,epsilon=1e-3")
+                             optimizer_options="beta_1=0.5,amsgrad=true,epsilon=1e-3")
     assert (adam.beta_1, adam.amsgrad, adam.epsilon) == (0.5, True, 1e-3)
-    sgd = optimizers.create("sgd", 0.1, variables, options_text="nesterov=false")
+    sgd = optimizers.create("sgd", 0.1, variables, optimizer_options="nesterov=false")
     assert not sgd.nesterov and sgd.momentum == 0.9
     for text, message in (("beta_3=1", "not an option of adam"),
                           ("beta_1=high", "beta_1='high' is not like the default 0.9"),
                           ("learning_rate=2", "set by the schedule")):
         with pytest.raises(ValueError, match=message):
-            optimizers.create("adam", 0.1, variables, options_text=text)
+            optimizers.create("adam", 0.1, variables, optimizer_options=text)
 
 
 def test_a_plain_keras_optimizer_is_refused_with_one_line():

@@ -236,6 +236,7 @@ def test_sample_gradients_are_the_training_gradient_and_change_nothing():
     from conftest import classification
     from trainer import state as state_lib
     from trainer.output import histograms
+    from trainer.tasks import base
     inputs = keras.Input((8, 8, 3))
     x = keras.layers.BatchNormalization()(keras.layers.Conv2D(4, 3)(inputs))
     model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(x)))
@@ -250,7 +251,7 @@ def test_sample_gradients_are_the_training_gradient_and_change_nothing():
         np.testing.assert_array_equal(a, b)  # (the moving mean and variance too)
     with tf.GradientTape() as tape:
         loss, _ = task.loss({"label": tf.constant(samples["label"])},
-                            model(task.normalize(samples["image"]), training=True))
+                            model(base.normalize(task.spec, samples["image"]), training=True))
         loss = tf.reduce_mean(loss)
     for ours, theirs in zip(gradients, tape.gradient(loss, model.trainable_variables)):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
@@ -298,8 +299,9 @@ def test_summary_png_shows_a_short_run_and_its_settings():
 
     config = Config(model="cifar_cnn", dataset="cifar10", image_size=32, seed=3,
                     learning_rate=0.01, model_dir="runs/x")
-    assert recorder.settings_line(config) == "seed 3; not the recipe's: learning_rate=0.01"
-    assert recorder.settings_line(config.replace(seed=0, learning_rate=1e-3)
+    assert recorder.settings_line(config.settings()
+                                  ) == "seed 3; not the recipe's: learning_rate=0.01"
+    assert recorder.settings_line(config.replace(seed=0, learning_rate=1e-3).settings()
                                   ) == "seed 0; cifar_cnn's recipe"
 
 
@@ -331,8 +333,11 @@ def test_log_handlers_come_back_after_an_error():
 
 
 def test_plot_schedule_writes_a_png(tiny_config):
-    path = loop.plot_schedule(tiny_config.replace(lr_schedule="cosine",
-                                                  warmup_epochs=0.001))
+    from trainer import build, schedules
+    config = tiny_config.replace(lr_schedule="cosine", warmup_epochs=0.001)
+    plan = build.plan(config, build.run_data(config).spec, 1)
+    path = loop.plot_schedule(config.group(schedules.ScheduleSettings), plan,
+                              config.model_dir, "cifar_cnn on cifar10")
     assert open(path, "rb").read().startswith(PNG_SIGNATURE)
     assert not os.path.exists(os.path.join(tiny_config.model_dir, "metrics.json"))
 

@@ -36,7 +36,7 @@ def _simclr(tiny_config, **changes):
 
 def _check(config):
     result = check_step.run_check(config.replace(batch_size=16), devices=CPUS[:2])
-    return result, check_step.report(result, config, 3)
+    return result, check_step.report(result)
 
 
 # --- gan --------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from test_main import TINY
-from trainer import checkpoints, config as config_lib
+from trainer import checkpoints, config as config_lib, run_dir, run_settings
 
 # finished_tiny's run (tests/conftest.py) as trainer.main's flags.
 SAME = [*TINY, "--shuffle_buffer=64", "--image_size=0"]
@@ -67,7 +67,7 @@ def test_resume_with_changes_continues_and_records_them_never_rewriting_the_sett
         history = json.load(f)
     assert history[-1]["changed"]["learning_rate"] == [0.001, 0.01]
     assert history[-1]["changed"]["train_steps"] == [4, 6]
-    assert checkpoints.read_run_config(model_dir)["learning_rate"] == 0.01
+    assert run_dir.read_run_config(model_dir)["learning_rate"] == 0.01
     with open(os.path.join(model_dir, "metrics.json")) as f:
         metrics = json.load(f)
     assert metrics["steps"] == 6 and metrics["settings"]["learning_rate"] == 0.01
@@ -90,7 +90,7 @@ def test_a_sweeps_points_get_runs_of_their_own_and_the_same_command_its_run():
             name, value = flag[2:].split("=")
             values[name] = type(values[name])(value) if values[name] is not None else value
             explicit.add(name)
-        return config_lib.resolve(values, explicit)[0].model_dir
+        return run_settings.resolve(values, explicit)[0].model_dir
 
     readme = model_dir("--model=cifar_cnn", "--dataset=cifar10")
     assert readme == os.path.join("runs", "cifar_cnn_cifar10")

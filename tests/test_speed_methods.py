@@ -14,7 +14,8 @@ import models
 from data import augment, pipeline
 from models.layers import Dirac, PatchWhitening
 from trainer import averaging, optimizers, step
-from trainer.config import ConfigError, validate
+from trainer.config import ConfigError
+from trainer.run_settings import validate
 
 
 # --- patch whitening and identity init ----------------------------------------------
@@ -83,7 +84,7 @@ def test_lr_multipliers_scale_the_update_of_matching_variables_not_the_decay():
     beta = keras.Variable(np.ones(3, np.float32), name="beta")
     kernel = keras.Variable(np.ones((2, 2), np.float32), name="kernel")
     optimizer = optimizers.create("sgd", 0.1, [alpha, beta, kernel], momentum=0.0,
-                                  weight_decay=0.5, lr_multipliers_text="alpha=64,beta=0")
+                                  weight_decay=0.5, lr_multipliers="alpha=64,beta=0")
     gradient = [tf.fill((3,), 0.01), tf.fill((3,), 0.01), tf.fill((2, 2), 0.01)]
     optimizer.apply(gradient, [alpha, beta, kernel])
     np.testing.assert_allclose(alpha.numpy(), 1 - 0.1 * 64 * 0.01, rtol=1e-6)
@@ -114,7 +115,7 @@ def _frozen_run(freeze_text: str, steps: int, strategy=None, decay_vectors=True)
         kernel = keras.Variable(np.ones((2, 2), np.float32), name="kernel")
         optimizer = optimizers.create("sgd", 0.1, [alpha, kernel], momentum=0.85,
                                       weight_decay=0.5, decay_vectors=decay_vectors,
-                                      freeze_text=freeze_text, steps_per_epoch=1)
+                                      freeze_after_epochs=freeze_text, steps_per_epoch=1)
 
     @tf.function
     def update(k):
@@ -156,10 +157,10 @@ def test_a_frozen_variable_stops_at_its_step_and_nothing_else_changes(replicas):
 def test_a_freeze_pattern_that_matches_nothing_is_refused():
     variables = [keras.Variable(np.ones(3, np.float32), name="alpha")]
     with pytest.raises(ValueError, match="--freeze_after_epochs: whiten/\\* match"):
-        optimizers.create("sgd", 0.1, variables, freeze_text="whiten/*=3")
+        optimizers.create("sgd", 0.1, variables, freeze_after_epochs="whiten/*=3")
     with pytest.raises(ValueError, match="--freeze_after_epochs: 'whiten' is not "
                                          "PATTERN=EPOCHS"):
-        optimizers.create("sgd", 0.1, variables, freeze_text="whiten")
+        optimizers.create("sgd", 0.1, variables, freeze_after_epochs="whiten")
 
 
 def test_airbench_freezes_its_whitening_bias_after_3_epochs():
@@ -168,7 +169,7 @@ def test_airbench_freezes_its_whitening_bias_after_3_epochs():
     model = models.build("airbench", 10, (32, 32, 3), tiny=True)
     optimizer = optimizers.create("sgd", 0.1, model.trainable_variables,
                                   weight_decay=0.01, decay_vectors=True,
-                                  freeze_text="whiten/*=3", steps_per_epoch=48)
+                                  freeze_after_epochs="whiten/*=3", steps_per_epoch=48)
     steps = dict(zip((v.path for v in model.trainable_variables),
                      optimizer._freeze_steps))  # noqa: SLF001
     assert steps.pop("whiten/bias") == 144 and set(steps.values()) == {None}
@@ -389,12 +390,11 @@ def test_airbench_logs_flops_profiles_and_resumes_bitwise_after_a_kill(
     assert summary["parts"]["convolution"]["backward"] > 0
     assert "| convolution |" in profile_summary.markdown(summary)
     # the loop set the (frozen) whitening from the first training images
-    from data import sources
-    from trainer import inputs
+    from trainer import build, inputs
     saved = models.build("airbench", 10, (32, 32, 3), tiny=True)
     saved.load_weights(os.path.join(config.model_dir, "model.weights.h5"))
     want = models.layers.whitening_kernel(
-        inputs.init_images(config, sources.get_spec(config.dataset)), 2)
+        inputs.init_images(build.run_data(config)), 2)
     np.testing.assert_allclose(saved.get_layer("whiten").kernel.numpy(), want,
                                rtol=1e-4, atol=1e-4)
 

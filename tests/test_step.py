@@ -1,5 +1,6 @@
 """The per-replica step and its distributed wrapper: the explicit cross-replica sum,
 clipping, accumulation, metrics as data, auxiliary heads, loss scaling."""
+import dataclasses
 import keras
 import numpy as np
 import pytest
@@ -257,26 +258,23 @@ def test_flip_tta_evaluates_an_image_and_its_mirror():
         rtol=1e-5, atol=1e-6)
 
 
-def test_a_step_option_without_a_config_field_is_an_error():
-    import dataclasses
+def test_the_step_runs_with_the_step_settings_of_the_run(tiny_config):
+    # What trainer/build.py hands the step: every StepSettings field of the Config
+    # (one field each: there is no second list to forget), and what is derived.
+    from trainer import build, config as config_lib
     from trainer.config import Config
-
-    @dataclasses.dataclass(frozen=True)
-    class Misspelled(step.StepOptions):
-        clip_grad_nrom: float = 0.0
-
-    with pytest.raises(ValueError, match="clip_grad_nrom"):
-        Misspelled.from_config(Config())
-
-
-def test_step_options_take_every_same_named_config_field():
-    from trainer.config import Config
-    config = Config(batch_size=64, clip_grad_norm=2.0, grad_accum_steps=4, sam_rho=0.05,
-                    lookahead_every=5)
-    options = step.StepOptions.from_config(config, total_steps=100)
-    assert options == step.StepOptions(batch_size=64, clip_grad_norm=2.0,
-                                       grad_accum_steps=4, sam_rho=0.05,
-                                       lookahead_every=5, total_steps=100)
+    config = tiny_config.replace(batch_size=64, clip_grad_norm=2.0, grad_accum_steps=4,
+                                 sam_rho=0.05, lookahead_every=5)
+    plan = build.plan(config, build.run_data(config).spec, 1)
+    builder = build.StateBuilder(config, build.run_data(config).spec, plan,
+                                 tf.distribute.get_strategy(), "float32", build.TRAIN,
+                                 build.make_task(config, build.run_data(config).spec))
+    assert builder.options == step.StepOptions(
+        batch_size=64, clip_grad_norm=2.0, grad_accum_steps=4, sam_rho=0.05,
+        lookahead_every=5, total_steps=plan.total_steps)
+    assert set(step.SETTINGS) == {f.name for f in dataclasses.fields(step.StepSettings)}
+    assert set(step.SETTINGS) <= set(config_lib.FLAG_FIELDS)
+    assert issubclass(Config, step.StepSettings)
 
 
 # --- two-pass steps: SAM ------------------------------------------------------------

@@ -47,7 +47,7 @@ def test_a_task_trains_on_two_replicas_passes_the_check_and_serves(
         r[best] for r in written["eval_history"])
     if task == "autoencoder":  # (distill's: tests/test_check_step.py)
         result = check_step.run_check(config.replace(cpu_replicas=1), devices=CPUS[:2])
-        assert result.passed, check_step.report(result, config, 3)
+        assert result.passed, check_step.report(result)
 
     image = np.random.default_rng(0).integers(0, 256, (32, 32, 3), np.uint8)
     path = str(tmp_path / "input.png")
@@ -159,9 +159,9 @@ def test_classification_through_the_task_seam_is_bitwise_as_before(case, tmp_pat
     if machine not in REFERENCE_HASHES:
         pytest.skip(f"no reference recorded on {machine}; recorded on "
                     f"{sorted(REFERENCE_HASHES)}")
-    from trainer import config as config_lib
+    from trainer import config as config_lib, run_settings
     values, expected = BEFORE_TASKS[case], REFERENCE_HASHES[machine][case]
-    config = config_lib.from_dict(dict(
+    config = run_settings.from_dict(dict(
         model_size="tiny", dataset="synthetic", batch_size=16, eval_batch_size=256,
         train_steps=6, steps_per_loop=2, log_every=2, eval_every=6, checkpoint_every=6,
         precision="float32", shuffle_buffer=64, deterministic=True,
@@ -202,7 +202,8 @@ def test_bad_task_model_and_data_combinations_are_refused_before_writing(
         tiny_config, change, settings, message):
     import models
     from data import sources
-    from trainer.config import ConfigError, validate
+    from trainer.config import ConfigError
+    from trainer.run_settings import validate
     config = tiny_config.replace(**change)
     with pytest.raises(ConfigError) as raised:
         config = validate(config.with_settings(**settings), models.names(),
@@ -237,10 +238,11 @@ def test_a_model_whose_output_would_broadcast_is_refused(tiny_config):
     silently in the loss (the issue's 'accuracy 103.9'): refused by shape."""
     import keras
     from data import sources
+    from trainer import tasks
     from trainer.config import ConfigError
     config = tiny_config.replace(task="autoencoder", model="conv_autoencoder")
     task = build.make_task(config, sources.get_spec("synthetic"))
     inputs = keras.Input((32, 32, 3))
     wrong = keras.Model(inputs, keras.layers.Conv2D(3, 3)(inputs))  # 30x30
     with pytest.raises(ConfigError, match=r"outputs shape \(30, 30, 3\) per example"):
-        task.check("conv_autoencoder", wrong)
+        tasks.check_model(task, "conv_autoencoder", wrong)

@@ -17,7 +17,7 @@ import tensorflow as tf
 from data import files, pipeline, sources
 import models
 from trainer import averaging, checkpoints, flops, inputs, optimizers, schedules, step
-from trainer import tasks, user_code
+from trainer import run_dir, run_settings, tasks, user_code
 from trainer import state as state_lib
 from trainer import config as config_lib
 from trainer.config import Config, ConfigError
@@ -34,27 +34,27 @@ class Plan:
     per_replica_batch: int
 
     @classmethod
-    def make(cls, config: Config, train_examples: int, eval_examples: int,
-             num_replicas: int) -> "Plan":
+    def make(cls, loop: config_lib.LoopSettings, grad_accum_steps: int,
+             train_examples: int, eval_examples: int, num_replicas: int) -> "Plan":
         # The one place the batch is checked against the replicas.
-        if config.batch_size % num_replicas:
-            raise ConfigError(f"--batch_size={config.batch_size} does not divide by the "
+        if loop.batch_size % num_replicas:
+            raise ConfigError(f"--batch_size={loop.batch_size} does not divide by the "
                               f"{num_replicas} replicas; use a multiple of {num_replicas}")
-        per_replica = config.batch_size // num_replicas
-        if per_replica % config.grad_accum_steps:
+        per_replica = loop.batch_size // num_replicas
+        if per_replica % grad_accum_steps:
             raise ConfigError(f"the per-replica batch {per_replica} does not divide into "
-                              f"--grad_accum_steps={config.grad_accum_steps} micro-batches; "
+                              f"--grad_accum_steps={grad_accum_steps} micro-batches; "
                               f"use a batch size that is a multiple of "
-                              f"{num_replicas * config.grad_accum_steps}")
-        eval_batch = config.eval_batch_size or config.batch_size
+                              f"{num_replicas * grad_accum_steps}")
+        eval_batch = loop.eval_batch_size or loop.batch_size
         if eval_batch % num_replicas:
             raise ConfigError(f"--eval_batch_size={eval_batch} does not divide by the "
                               f"{num_replicas} replicas; use a multiple of {num_replicas}")
-        steps_per_epoch = train_examples // config.batch_size
+        steps_per_epoch = train_examples // loop.batch_size
         if steps_per_epoch == 0:
-            raise ConfigError(f"--batch_size={config.batch_size} is larger than the "
+            raise ConfigError(f"--batch_size={loop.batch_size} is larger than the "
                               f"{train_examples} training examples; lower it")
-        total = config.train_steps or config.epochs * steps_per_epoch
+        total = loop.train_steps or loop.epochs * steps_per_epoch
         return cls(train_examples, eval_examples, steps_per_epoch, total,
                    pipeline.eval_steps(eval_examples, eval_batch), per_replica)
 
@@ -65,14 +65,14 @@ def config_of_run(model_dir: str, flag: str = "--model_dir") -> Config:
     settings are read back (evaluate, predict, export, a distillation's teacher, a
     GAN's Fréchet classifier), so that an edited or damaged file stops with one
     CheckpointError line naming it, its values cut short."""
-    settings = checkpoints.read_run_config(model_dir, flag)
+    settings = run_dir.read_run_config(model_dir, flag)
     path = f"{model_dir.rstrip('/')}/{checkpoints.RUN_CONFIG}"
     try:  # the run's own code (its --import), so that its model and task are known
         user_code.import_modules(settings.get("imports") or "")
     except user_code.UserCodeError as err:
         raise checkpoints.CheckpointError(f"{path}: {err}") from err
     try:
-        return config_lib.validate(config_lib.from_dict(settings), models.names(),
+        return run_settings.validate(run_settings.from_dict(settings), models.names(),
                                    sources.names())
     except (ConfigError, TypeError, ValueError) as err:
         problem = files.shorter(str(err).split(';')[0], 160) if isinstance(
@@ -83,12 +83,20 @@ def config_of_run(model_dir: str, flag: str = "--model_dir") -> Config:
             f"restore the file from a backup, or train the run again") from err
 
 
-def dataset_spec(config: Config) -> sources.DatasetSpec:
+def dataset_spec(data: inputs.DataSettings, model_name: str) -> sources.DatasetSpec:
     """The run's dataset, with its split choices and the normalization its model
     declares (every command reads it here)."""
-    return model_input_spec(sources.get_spec(config.dataset, config.data_dir,
-                                             config.train_split, config.eval_split),
-                            config.model)
+    return model_input_spec(sources.get_spec(data.dataset, data.data_dir,
+                                             data.train_split, data.eval_split),
+                            model_name)
+
+
+def run_data(config: Config, spec: sources.DatasetSpec | None = None) -> inputs.RunData:
+    """The data the run reads (its dataset's `spec`, read here unless given): the
+    one object the input pipelines, the task and the plan take."""
+    settings = config.group(inputs.DataSettings)
+    return inputs.RunData(spec or dataset_spec(settings, config.model), settings,
+                          config.batch_size, config.eval_batch_size, config.seed)
 
 
 def model_input_spec(spec: sources.DatasetSpec, model_name: str) -> sources.DatasetSpec:
@@ -100,83 +108,67 @@ def model_input_spec(spec: sources.DatasetSpec, model_name: str) -> sources.Data
     return dataclasses.replace(spec, mean=mean, std=std)
 
 
-def counts(config: Config, spec: sources.DatasetSpec) -> tuple[int, int]:
-    """(training examples, evaluation examples)."""
-    return tuple(sources.load(spec, split, config.data_dir, config.download_data)[1]
-                 for split in (spec.train_split, spec.eval_split))
-
-
 def plan(config: Config, spec: sources.DatasetSpec, num_replicas: int) -> Plan:
-    return Plan.make(config, *counts(config, spec), num_replicas)
-
-
-def make_schedule(config: Config, plan: Plan) -> schedules.WarmupSchedule:
-    return schedules.WarmupSchedule(
-        config.lr_schedule, config.learning_rate, plan.total_steps, plan.steps_per_epoch,
-        warmup_steps=round(config.warmup_epochs * plan.steps_per_epoch),
-        decay_rate=config.lr_decay_rate,
-        sustain_steps=round(config.sustain_epochs * plan.steps_per_epoch),
-        floor=config.min_learning_rate,
-        start=config.warmup_start_factor * config.learning_rate
-        if config.warmup_start_factor > 0 else None)
+    """The run's sizes: its batches and length over the data's split sizes."""
+    return Plan.make(config.group(config_lib.LoopSettings), config.grad_accum_steps,
+                     *run_data(config, spec).counts(), num_replicas)
 
 
 def make_task(config: Config, spec: sources.DatasetSpec) -> tasks.Task:
     """The run's task with its settings (nothing built yet: see Task.build)."""
-    return tasks.get(config.task)(config.task_options(), spec,
-                                  inputs.image_shape(config, spec))
+    return tasks.get(config.task)(run_settings.task_settings_of(config), spec,
+                                  run_data(config, spec).image_shape)
 
 
-def build_model(config: Config, spec: sources.DatasetSpec, task: tasks.Task,
-                weights: str | None = None) -> keras.Model:
+def build_model(model: config_lib.ModelSettings, input_shape: tuple[int, int, int],
+                task: tasks.Task, weights: str | None = None,
+                num_classes: int | None = None) -> keras.Model:
     """The run's model (fresh, or --weights; `weights` overrides that), checked
     against the task: a model whose outputs do not fit is a one-line ConfigError.
-    Call under the strategy's scope."""
+    num_classes: its logits (default: the dataset's classes, for a task that reads
+    logits). Call under the strategy's scope."""
+    if num_classes is None:
+        num_classes = tasks.num_classes(task)
     try:
-        task.check_kind(config.model)  # (an unknown model name: a ValueError)
-        model = models.build(config.model, task.num_classes(),
-                             inputs.image_shape(config, spec),
-                             tiny=config.model_size == "tiny",
-                             weights=config.weights if weights is None else weights,
-                             options=config.model_options)
+        tasks.check_model_kind(task, model.model)  # (an unknown model name: a ValueError)
+        built = models.build(model.model, num_classes, input_shape,
+                             tiny=model.model_size == "tiny",
+                             weights=model.weights if weights is None else weights,
+                             options=model.model_options)
     except ValueError as err:  # bad weights file, image too small, bad option
         raise ConfigError(str(err)) from err
-    task.check(config.model, model)
-    return model
+    tasks.check_model(task, model.model, built, num_classes)
+    return built
 
 
-def build_optimizer(config: Config,
+def build_optimizer(settings: optimizers.OptimizerSettings, lookahead: bool,
                     schedule: keras.optimizers.schedules.LearningRateSchedule | float,
                     model: keras.Model,
                     precision: str = "float32", steps_per_epoch: int = 1,
                     step_counter: tf.Variable | None = None) -> keras.optimizers.Optimizer:
     """The run's optimizer for `model`'s trainable variables, built, with its
-    learning-rate multipliers and, with --lookahead_every, the Lookahead's slow
-    weights; call under the strategy's scope, after any initialisation of the
-    weights. step_counter: the run's step, which the schedule and the freezes read
-    (default: the optimizer's own iteration count)."""
+    learning-rate multipliers and, with `lookahead` (--lookahead_every), the
+    Lookahead's slow weights; call under the strategy's scope, after any
+    initialisation of the weights. step_counter: the run's step, which the schedule
+    and the freezes read (default: the optimizer's own iteration count)."""
     try:
         optimizer = optimizers.create(
-            config.optimizer, schedules.on_step(schedule, step_counter),
-            model.trainable_variables, config.weight_decay, config.momentum, precision,
-            config.ema_decay, config.lr_multipliers,
-            config.optimizer_options,
-            config.decay_vectors, config.freeze_after_epochs, steps_per_epoch,
-            step_counter)
+            settings, schedules.on_step(schedule, step_counter), model.trainable_variables,
+            precision, steps_per_epoch, step_counter)
     except ValueError as err:  # bad --optimizer_options, --lr_multipliers, --freeze_...
         raise ConfigError(str(err)) from err
-    if config.lookahead_every:
+    if lookahead:
         averaging.add_lookahead(optimizer, model.trainable_variables
                                 + step.moving_statistics(model))
     return optimizer
 
 
-def init_from_data(model: keras.Model, config: Config, spec: sources.DatasetSpec) -> None:
+def init_from_data(model: keras.Model, weights: str, data: inputs.RunData) -> None:
     """Sets layers initialised from the data, e.g. airbench's patch whitening, from
-    the first training images (a resumed run then restores them from the
-    checkpoint, like every weight; --weights brought them already)."""
-    if models.needs_data(model) and config.weights == "none":
-        models.init_from_data(model, inputs.init_images(config, spec))
+    the first training images, unless `weights` (--weights) brought them (a resumed
+    run then restores them from the checkpoint, like every weight)."""
+    if models.needs_data(model) and weights == "none":
+        models.init_from_data(model, inputs.init_images(data))
 
 
 # What a state is built for: a task builds only what that needs (the output model
@@ -207,24 +199,30 @@ class StateBuilder:
     makes them (so trainer.check_step can adapt every model: float64, synchronized
     batch-norm, no dropout).
 
-    build.config, build.spec, build.plan, build.options (the StepOptions),
+    What a task builds with: build.data (the RunData: spec, image shape, batch
+    sizes), build.plan, build.options (the StepOptions), build.schedule,
     build.strategy, build.precision, build.purpose (TRAIN, EVALUATE or SERVE),
-    build.training (purpose == TRAIN)."""
+    build.training (purpose == TRAIN). Not the run's every setting: a task reads
+    its own `settings`, and the model and optimizer settings are applied here."""
 
     def __init__(self, config: Config, spec: sources.DatasetSpec, plan: Plan | None,
                  strategy: tf.distribute.Strategy, precision: str, purpose: str,
                  task: tasks.Task,
                  adapt_model: Callable[[keras.Model], keras.Model] | None = None,
                  adapt_fixed_model: Callable[[keras.Model], keras.Model] | None = None):
-        self.config, self.spec, self.plan, self.strategy = config, spec, plan, strategy
+        self._config, self.spec, self.plan, self.strategy = config, spec, plan, strategy
         self.precision, self.purpose, self.task = precision, purpose, task
         self.training = purpose == TRAIN
         self._adapt, self._adapt_fixed = adapt_model, adapt_fixed_model
-        self.options = (step.StepOptions.from_config(config, total_steps=plan.total_steps)
-                        if plan is not None else None)
-        if self.options is not None:
+        self.data = run_data(config, spec)
+        self.options = self.schedule = None
+        if plan is not None:
+            self.options = step.StepOptions(
+                **dataclasses.asdict(config.group(step.StepSettings)),
+                batch_size=config.batch_size, total_steps=plan.total_steps)
             check_step_settings(task, self.options)
-        self.schedule = make_schedule(config, plan) if plan is not None else None
+            self.schedule = config.group(schedules.ScheduleSettings).make(
+                plan.total_steps, plan.steps_per_epoch)
         self.step = state_lib.new_step_counter()  # THE step counter (under the scope)
 
     def model(self, name: str | None = None, num_classes: int | None = None,
@@ -233,17 +231,19 @@ class StateBuilder:
         --model_options and --weights (in training) and its layers set from the
         data (patch whitening). `name`: another registered model (e.g. a GAN's
         discriminator) on the run's image shape, with `options` (its
-        --model_options-like text) and `num_classes`."""
-        config, spec = self.config, self.spec
+        --model_options-like text) and `num_classes` (also for --model: another
+        number of logits than the dataset's classes)."""
+        config = self._config
         if name is None:
-            model = build_model(config, spec, self.task,
-                                weights=None if self.training else "none")
+            model = build_model(config.group(config_lib.ModelSettings),
+                                self.data.image_shape, self.task,
+                                weights=None if self.training else "none",
+                                num_classes=num_classes)
             if self.training:
-                init_from_data(model, config, spec)
+                init_from_data(model, config.weights, self.data)
         else:
             try:
-                model = models.build(name, num_classes,
-                                     inputs.image_shape(config, spec),
+                model = models.build(name, num_classes, self.data.image_shape,
                                      tiny=config.model_size == "tiny",
                                      options=options or "")
             except ValueError as err:
@@ -295,15 +295,29 @@ class StateBuilder:
         except ValueError as err:
             raise ConfigError(f"{flag}={directory}: {files.shorter(str(err))}") from err
 
-    def optimizer(self, model: keras.Model) -> keras.optimizers.Optimizer | None:
+    def optimizer(self, model: keras.Model, learning_rate: float | None = None,
+                  **changes) -> keras.optimizers.Optimizer | None:
         """The run's optimizer for `model` (--optimizer and its options, the
         --lr_schedule at the run's step, multipliers, freezes, weight decay, EMA,
-        Lookahead, loss scaling): built, slots and all. None when the state is
-        built to serve (no optimizer is needed)."""
+        Lookahead, loss scaling): built, slots and all. `learning_rate`: another
+        peak of the same schedule; `changes`: other OptimizerSettings values (e.g.
+        optimizer="sgd", optimizer_options="beta_1=0.5") for this model alone (a
+        GAN's discriminator). None when the state is built to serve (no optimizer is
+        needed)."""
         if self.purpose == SERVE:
             return None
-        return build_optimizer(self.config, self.schedule, model, self.precision,
-                               self.plan.steps_per_epoch, self.step)
+        settings = self._config.group(optimizers.OptimizerSettings)
+        try:
+            settings = dataclasses.replace(settings, **changes)
+        except TypeError as err:  # (not a field of OptimizerSettings)
+            raise ConfigError(f"build.optimizer: {err}") from err
+        schedule = self.schedule
+        if learning_rate is not None:
+            schedule = dataclasses.replace(
+                self._config.group(schedules.ScheduleSettings), learning_rate=learning_rate
+            ).make(self.plan.total_steps, self.plan.steps_per_epoch)
+        return build_optimizer(settings, self._config.lookahead_every > 0, schedule, model,
+                               self.precision, self.plan.steps_per_epoch, self.step)
 
     def variable(self, initial_value, name: str, dtype=None) -> tf.Variable:
         """An extra variable of the state (not trained by an optimizer: a queue, a
@@ -315,7 +329,7 @@ class StateBuilder:
         """The TrainState of these parts and the run's step counter and seed."""
         optimizers = {k: v for k, v in (optimizers or {}).items() if v is not None}
         return state_lib.TrainState(dict(models), optimizers, self.step,
-                                    self.config.seed, dict(extras or {}))
+                                    self._config.seed, dict(extras or {}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,6 +350,19 @@ class Run:
 
     def eval_step(self, batch: dict) -> dict:
         return self.task.eval_step(self.state, batch)
+
+    @property
+    def own_training_batch(self) -> Callable | None:
+        return own_training_batch(self.task)
+
+    def about(self) -> dict:
+        """What metrics.json says of the run: what it trains on what, its batch, its
+        every setting."""
+        config = self.config
+        return {"task": config.task, "model": config.model, "dataset": config.dataset,
+                "global_batch_size": config.batch_size,
+                "per_replica_batch_size": self.plan.per_replica_batch,
+                "settings": config.as_dict()}
 
     @property
     def output_model(self) -> keras.Model:
@@ -367,6 +394,12 @@ def build_run(config: Config, spec: sources.DatasetSpec, plan: Plan | None,
         raise ConfigError(f"task {task.name}'s output model {task.output_model!r} is not "
                           f"among its state's models ({', '.join(state.models)})")
     return Run(config, spec, plan, task, state, builder.schedule, builder.options)
+
+
+def own_training_batch(task: tasks.Task) -> Callable | None:
+    """The task's `training_batch`, if it has its own (else None: the input
+    pipeline's standard batch, without the call): what inputs.train_input_fn takes."""
+    return task.training_batch if tasks.makes_own_batches(task) else None
 
 
 def training_flops_per_image(run: Run) -> float:

@@ -64,6 +64,12 @@ class Context:
     is_chief: bool
     stop_reason: str = ""
 
+    @classmethod
+    def of(cls, run, start_step: int, is_chief: bool) -> "Context":
+        """The context of a built run (trainer/build.py's Run) started at `start_step`."""
+        return cls(run.config, run.config.model_dir, run.task, run.state,
+                   run.plan.steps_per_epoch, run.plan.total_steps, start_step, is_chief)
+
     def request_stop(self, reason: str) -> None:
         """Ends the run after the current step (see the module docstring)."""
         self.stop_reason = self.stop_reason or reason
@@ -290,14 +296,14 @@ def read_csv(path: str) -> list[dict]:
         return list(csv.DictReader(io.StringIO(f.read())))
 
 
-def for_run(config, task, tensorboard: list[Callback]) -> list[Callback]:
+def for_run(config, task, tensorboard: list[Callback], extra: tuple = ()) -> "Callbacks":
     """A run's callbacks (see the module docstring): the CSV log, TensorBoard's
     (`tensorboard`: HParams and Text, histograms with --histograms: trainer/output/
     makes them, importing this module), early stopping with --early_stop_patience,
-    --callbacks' registered ones, the task's own."""
+    --callbacks' registered ones, the task's own, and `extra` (a command's)."""
     chosen: list[Callback] = [CsvLogger(), *tensorboard]
     if config.early_stop_patience:
-        chosen.append(EarlyStopping(config.early_stop_patience, task.best_metric,
-                                    task.higher_is_better, config.early_stop_min_delta))
+        chosen.append(EarlyStopping(config.early_stop_patience, task.best.metric,
+                                    task.best.higher_is_better, config.early_stop_min_delta))
     chosen += [_REGISTRY[name]() for name in parse_names(config.callbacks)]
-    return chosen + list(task.callbacks())
+    return Callbacks(chosen + list(task.callbacks()) + list(extra))

@@ -47,7 +47,6 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from data import sources  # noqa: E402
 from trainer import build, config as config_lib, distributed, inputs  # noqa: E402
 from trainer import randomness, run_flags  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
@@ -86,6 +85,7 @@ class CheckResult:
     stateful_ops: tuple[str, ...] = ()   # stateful random ops in the traced step
     batch_norm_passes: dict[str, float] = dataclasses.field(default_factory=dict)
     state_summary: str = ""
+    heading: str = ""  # what was checked: the run and the comparison
 
     def differences(self) -> dict[str, float]:
         """Every compared quantity's relative difference (infinite: a finding that
@@ -187,14 +187,13 @@ def in_float64(model: keras.Model) -> keras.Model:
     return copy
 
 
-def _global_batches(config: config_lib.Config, spec, num_steps: int) -> dict:
+def _global_batches(data: inputs.RunData, task, num_steps: int) -> dict:
     """The first `num_steps` global batches of the run's training stream (the
     task's own batches: two views, ...), stacked into one dict of
     [num_steps * batch, ...] tensors, floats in float64."""
-    train_examples = sources.load(spec, spec.train_split, config.data_dir,
-                                  config.download_data)[1]
-    make = inputs.train_input_fn(config, spec, train_examples,
-                                 task=build.make_task(config, spec))
+    train_examples = data.load(data.spec.train_split)[1]
+    make = inputs.train_input_fn(data, train_examples,
+                                 own_batch=build.own_training_batch(task))
     whole = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
                                        num_replicas_in_sync=1)
     batches = list(make(whole).take(num_steps))
@@ -302,9 +301,10 @@ def run_check(config: config_lib.Config, num_steps: int = 3,
     devices = devices or strategy_lib.split_cpu(2)
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("float32")
-    spec = build.dataset_spec(config)
+    spec = build.run_data(config).spec
     plan = build.plan(config, spec, num_replicas=2)
-    data = _global_batches(config, spec, num_steps)
+    data = _global_batches(build.run_data(config, spec), build.make_task(config, spec),
+                           num_steps)
     try:
         one = _Trial(tf.distribute.OneDeviceStrategy(devices[0]), config, spec, plan,
                      data, num_steps)
@@ -341,6 +341,7 @@ def run_check(config: config_lib.Config, num_steps: int = 3,
                f"{', '.join(one.run.state.optimizers) or 'none'}; extras "
                f"{', '.join(one.run.state.extras) or 'none'}; {len(names)} variables "
                f"compared")
+    batch_norm = "frozen" if config.grad_accum_steps > 1 else "synchronized"
     return CheckResult(
         weight_difference=difference, worst_variable=worst,
         metrics={key: (one_metrics[key], two_metrics.get(key, float("nan")),
@@ -350,15 +351,15 @@ def run_check(config: config_lib.Config, num_steps: int = 3,
         repeat_difference=repeat_worst,
         repeat_bitwise=all(np.array_equal(a, b) for a, b in zip(after_one, repeat)),
         counts_differ=counts, stateful_ops=tuple(stateful),
-        batch_norm_passes=passes, state_summary=summary)
+        batch_norm_passes=passes, state_summary=summary,
+        heading=(f"check_step: {config.model} ({config.model_size}) on {config.dataset}, "
+                 f"task {config.task}, {num_steps} steps of global batch "
+                 f"{config.batch_size}: 1 replica vs 2 (MirroredStrategy on 2 CPU "
+                 f"devices), float64, {batch_norm} batch-norm, dropout off"))
 
 
-def report(result: CheckResult, config: config_lib.Config, num_steps: int) -> str:
-    lines = [f"check_step: {config.model} ({config.model_size}) on {config.dataset}, "
-             f"task {config.task}, {num_steps} steps of global batch {config.batch_size}: "
-             f"1 replica vs 2 (MirroredStrategy on 2 CPU devices), float64, "
-             f"{'frozen' if config.grad_accum_steps > 1 else 'synchronized'} batch-norm, "
-             f"dropout off",
+def report(result: CheckResult) -> str:
+    lines = [result.heading,
              f"  {result.state_summary}",
              f"  1 vs 2 replicas, the whole state: relative difference "
              f"{result.weight_difference:.2e} (||s1 - s2|| / ||s1 - s0||; worst variable "
@@ -408,7 +409,7 @@ def main(argv: list[str]) -> None:
     except run_flags.USER_ERRORS as err:
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)
-    print(report(result, config, FLAGS.check_steps))
+    print(report(result))
     sys.exit(0 if result.passed else 1)
 
 

@@ -1,15 +1,8 @@
-"""Checkpoints in --model_dir: save, resume, and refuse a directory of another run.
+"""Checkpoints and weights files in --model_dir: save, resume, and what to serve.
 
-A run directory is one run. It records its settings in `run_config.json` beside
-the checkpoints, once, and every start in `run_history.json` (what it changed, the
-command, the code and versions, the host and devices). A new start on that
-directory must train what the run trained: the same model on the same data with
-the same settings, but for those that may change on a resume (train longer, log,
-evaluate or save at other steps: config.MAY_CHANGE_ON_RESUME); else it stops with
-one line listing each difference, before touching anything. --resume_with_changes
-continues on purpose (recorded, run_config.json never rewritten). A folder that is
-not a run, or a symbolic link inside one, is refused: nothing outside the run's
-directory is written or deleted.
+A run directory is one run; trainer/run_dir.py checks that a start may continue
+it (its settings, in run_config.json and run_history.json) before anything here
+writes; the file names are here.
 
 A bad disk loses at most the checkpoint it broke: an unreadable newest checkpoint
 (truncated by a crash during a copy, a full network disk) is named in a warning and
@@ -17,32 +10,20 @@ the run resumes from the newest readable one; a save that fails (no space, no
 permission) leaves no temporary files and stops the run with one line naming the
 directory and the last good checkpoint (CheckpointSaveError).
 """
-import dataclasses
 import io
-import json
 import os
 
 from absl import logging
 import tensorflow as tf
 
 from data import files
-from trainer import config as config_lib, state as state_lib
+from trainer import state as state_lib
 
 RUN_CONFIG = "run_config.json"      # the settings, as the run started: never rewritten
 RUN_HISTORY = "run_history.json"    # every start: what it changed, where it ran
 METRICS_FILE = "metrics.json"       # (trainer/output/recorder.py writes it)
 WEIGHTS_FILE = "model.weights.h5"       # the final (evaluated) weights
 BEST_WEIGHTS_FILE = "best.weights.h5"   # the weights of the best evaluation
-# What the checkpoint's variables depend on: another value would restore wrong
-# slots (Keras numbers the optimizer's variables; the EMA's come first). Unset and
-# empty are the same (runs older than a setting saved none).
-_MUST_MATCH = ("task", "model", "model_size", "dataset", "optimizer", "model_options",
-               "optimizer_options")
-# Settings whose on/off (> 0 or not) decides whether their variables exist.
-_MUST_MATCH_ON = ("ema_decay", "lookahead_every")
-# What may be in a directory before its run_config.json: the lock (trainer/locks.py),
-# other workers' checkpoint copies, the schedule plot (trainer.main --plot_schedule).
-_NOT_A_RUNS_OWN = ("writer.lock", ".worker_tmp", "lr_schedule.png")
 
 
 class CheckpointError(RuntimeError):
@@ -60,45 +41,6 @@ UNREADABLE = (IndexError, tf.errors.DataLossError, tf.errors.OutOfRangeError,
                tf.errors.UnknownError)
 
 
-def prepare_model_dir(model_dir: str, run_config: dict, is_chief: bool = True,
-                      provenance: dict | None = None) -> None:
-    """Creates model_dir (if writable), checks any previous run in it
-    (`check_previous_run`), and records this start: the settings in run_config.json
-    the first time (never rewritten), and every start, with what it changed and
-    where it ran (`provenance`), in run_history.json. Any TensorFlow filesystem works
-    (a local path, gs://..., ram://...)."""
-    try:
-        tf.io.gfile.makedirs(model_dir)
-    except tf.errors.OpError as err:
-        reason = (err.message or "").rsplit(";", 1)[-1].strip()
-        raise CheckpointError(f"cannot create --model_dir={model_dir}: {reason}; "
-                              f"choose a writable directory") from err
-    if "://" not in model_dir and not os.access(model_dir, os.W_OK | os.X_OK):
-        raise CheckpointError(f"--model_dir={model_dir} is not writable; choose "
-                              f"another directory")
-    changes = check_previous_run(model_dir, run_config)
-    if is_chief:  # atomic: other workers read it
-        # What a killed writer left half-written (a ckpt-N_temp, a file's .tmp-...):
-        # never a complete file. Safe: this process holds the directory (locks.py).
-        removed = files.remove_stale_temporaries(model_dir, written_by_a_run)
-        if removed:
-            logging.info("removed %d temporary file(s) a killed run left in %s: %s",
-                         len(removed), model_dir, ", ".join(sorted(removed)))
-        config_path = os.path.join(model_dir, RUN_CONFIG)
-        afresh = tf.io.gfile.exists(config_path) and trained_nothing(model_dir)
-        if afresh:  # a start stopped or killed before its first checkpoint
-            changed = _changes_listed(differences(read_run_config(model_dir), run_config))
-            logging.info("%s holds the settings of start(s) that kept no step (no "
-                         "checkpoint, no weights): this start begins the run afresh%s",
-                         model_dir, f" with other settings ({changed})" if changed else "")
-        if afresh or not tf.io.gfile.exists(config_path):
-            files.write_json(config_path, run_config)
-        history = [] if afresh else _read_history(model_dir)
-        history.append({"start": len(history) + 1, **(provenance or {}),
-                        "changed": {key: [before, now] for key, before, now in changes}})
-        files.write_json(os.path.join(model_dir, RUN_HISTORY), history)
-
-
 def written_by_a_run(name: str) -> bool:
     """Whether a run's commands write files of this name in its directory (their
     temporaries, `<name>.tmp-<hex>`, are the run's): its records (.json, log.csv),
@@ -108,87 +50,6 @@ def written_by_a_run(name: str) -> bool:
         (".json", ".weights.h5", ".png"))
 
 
-def comparable_settings(run_config: dict) -> dict:
-    """Every setting of a run, flat (its task's own too), as JSON holds them: the
-    defaults of those an older run_config.json lacks filled in."""
-    try:
-        config = config_lib.from_dict(run_config)
-        values = {**config.as_dict(), **dataclasses.asdict(config.task_options())}
-    except (ValueError, TypeError, RuntimeError):  # (ConfigError: a task unknown here)
-        values = {**run_config, **(run_config.get("task_settings") or {})}
-    values.pop("task_settings", None)
-    return json.loads(json.dumps(values))
-
-
-def differences(recorded: dict, run_config: dict) -> list[tuple[str, object, object]]:
-    """(setting, recorded value, this run's value) for each setting that differs,
-    the task's own settings included."""
-    before, now = comparable_settings(recorded), comparable_settings(run_config)
-    return [(key, before.get(key), now.get(key)) for key in dict.fromkeys([*before, *now])
-            if before.get(key) != now.get(key)]
-
-
-def check_previous_run(model_dir: str, run_config: dict
-                       ) -> list[tuple[str, object, object]]:
-    """CheckpointError (one line) unless model_dir is new or empty, or holds a run
-    this one may continue: the same model, task, data and optimizer (what its
-    checkpoints depend on), and the same value of every setting that changes what
-    is trained (all but config.MAY_CHANGE_ON_RESUME), unless this run says
-    resume_with_changes. A folder of other files (no run_config.json) is refused.
-    Returns the settings this start changes. Reads only: called before the
-    expensive set-up, and again before writing."""
-    files.refuse_links(model_dir, flag="--model_dir")  # (before anything is read)
-    if not tf.io.gfile.exists(os.path.join(model_dir, RUN_CONFIG)):
-        # (A temporary of run_config.json: the chief writing it as this worker
-        # looks; a new run, as the chief's. Seen in the suite: "holds files that
-        # are not a run's (run_config.json.tmp-...)"; the 2-worker run failed.)
-        others = [n.rstrip("/") for n in (tf.io.gfile.listdir(model_dir)
-                                          if tf.io.gfile.isdir(model_dir) else [])
-                  if files.final_name(n.rstrip("/")) not in (*_NOT_A_RUNS_OWN, RUN_CONFIG)
-                  or n.rstrip("/") == RUN_CONFIG]
-        if RUN_CONFIG not in others:  # (else another worker, the chief, wrote it
-            if others:  # between the two looks: it is checked as any run's below)
-                listed = ", ".join(sorted(others)[:4]) + (", ..." if len(others) > 4
-                                                          else "")
-                raise CheckpointError(
-                    f"--model_dir={model_dir} holds files that are not a run's "
-                    f"({listed}) and no {RUN_CONFIG}; give a new or empty directory "
-                    f"(nothing in it was touched)")
-            return []
-    if trained_nothing(model_dir):  # (its settings are replaced: prepare_model_dir)
-        return []
-    recorded = read_run_config(model_dir)
-    for key, now, before in [
-            *((k, _value(run_config, k), _value(recorded, k)) for k in _MUST_MATCH),
-            *((f"{k} > 0", bool(run_config.get(k)), bool(recorded.get(k)))
-              for k in _MUST_MATCH_ON)]:
-        if now != before:
-            raise CheckpointError(
-                f"--model_dir={model_dir} holds a run with {key}="
-                f"{files.shorter(repr(before), 60)}, not {files.shorter(repr(now), 60)}; "
-                f"use another --model_dir (the existing checkpoint is left untouched)")
-    changes = differences(recorded, run_config)
-    trained = [c for c in changes if c[0] not in config_lib.MAY_CHANGE_ON_RESUME]
-    if trained and not run_config.get("resume_with_changes"):
-        listed = _changes_listed(trained)
-        raise CheckpointError(
-            f"--model_dir={model_dir} holds a run trained with other settings ({listed});"
-            f" use another --model_dir (without --model_dir each setting gets its own), "
-            f"or add --resume_with_changes to continue this run with them (recorded in "
-            f"{RUN_HISTORY}; nothing was touched)")
-    return changes
-
-
-def _changes_listed(changes: list[tuple[str, object, object]]) -> str:
-    """'--learning_rate: 0.001 -> 0.01, ...', each value cut to 60 characters."""
-    return ", ".join(f"--{key}: {_shown(before)} -> {_shown(now)}"
-                     for key, before, now in changes)
-
-
-def _shown(value) -> str:
-    return "(unset)" if value is None else files.shorter(str(value), 60)
-
-
 def trained_nothing(model_dir: str) -> bool:
     """Whether no step of the run in model_dir was kept: no checkpoint and no
     weights file (its starts were stopped, or killed, before their first one). Such
@@ -196,39 +57,6 @@ def trained_nothing(model_dir: str) -> bool:
     return not (tf.io.gfile.glob(os.path.join(model_dir, "ckpt-*.index"))
                 or any(tf.io.gfile.exists(os.path.join(model_dir, name))
                        for name in (WEIGHTS_FILE, BEST_WEIGHTS_FILE)))
-
-
-def _read_history(model_dir: str) -> list:
-    path = os.path.join(model_dir, RUN_HISTORY)
-    if not tf.io.gfile.exists(path):
-        return []
-    try:
-        return files.read_json(path, list)
-    except files.BadFileError as err:
-        raise CheckpointError(f"{err}; restore it from a backup, or use another "
-                              f"--model_dir") from err
-
-
-def read_run_config(model_dir: str, flag: str = "--model_dir") -> dict:
-    """The settings of a run directory: run_config.json (as the run started) with
-    the changes later starts made (--resume_with_changes, longer training; in
-    run_history.json). CheckpointError (one line) if it is missing, half written or
-    not a run's config (no model, dataset)."""
-    path = os.path.join(model_dir, RUN_CONFIG)
-    try:
-        settings = files.read_json(path, dict, keys=("model", "dataset"))
-    except files.BadFileError as err:
-        advice = (f"{flag} must be a training run's directory" if "not found" in str(err)
-                  else f"restore it from a backup, or use another {flag}")
-        raise CheckpointError(f"{err}; {advice}") from err
-    for start in _read_history(model_dir):
-        for key, (_, now) in (start.get("changed") or {}).items():
-            if key in config_lib.FLAG_FIELDS:
-                settings[key] = now
-            else:  # one of the task's own
-                settings["task_settings"] = {**(settings.get("task_settings") or {}),
-                                             key: now}
-    return settings
 
 
 def finished_run(model_dir: str, total_steps: int) -> dict | None:
@@ -286,13 +114,6 @@ def weights_to_serve(model_dir: str) -> tuple[str | None, str]:
         return BEST_WEIGHTS_FILE, (f"{BEST_WEIGHTS_FILE} ("
                                    f"{f'step {best}; ' if best is not None else ''}{why})")
     return None, why
-
-
-def _value(run_config: dict, key: str):
-    """A run_config.json value as JSON holds it; unset and empty are the same (runs
-    from before a setting existed saved none: their task was classification)."""
-    value = json.loads(json.dumps(run_config.get(key))) or None
-    return value or ("classification" if key == "task" else None)
 
 
 def weights_h5_bytes(model) -> bytes:
@@ -355,6 +176,21 @@ def restore_callbacks(callbacks, path: str) -> bool:
         logging.warning("checkpoint %s holds no callback state; the callbacks (early "
                         "stopping, ...) start afresh", path)
     return callbacks.restored
+
+
+def resume(state, callbacks, model_dir: str, keep: int, is_chief: bool = True,
+           task_id: int = 0) -> tf.train.CheckpointManager:
+    """The manager of the run's one checkpoint (the whole state and the callbacks'
+    state), the newest readable checkpoint in model_dir restored into it, if any.
+    Call under the strategy's scope."""
+    checkpoint = training_checkpoint(state, callbacks)
+    # The state first, alone: a checkpoint from before the callbacks had state
+    # still fits it; then the callbacks' state, if the file holds any.
+    restored = restore_latest(training_checkpoint(state), model_dir, partial=True)
+    if restored:
+        logging.info("Resumed from %s at step %d", restored, int(state.step.numpy()))
+        restore_callbacks(callbacks, restored)
+    return make_manager(model_dir, checkpoint, keep, is_chief, task_id)
 
 
 def make_manager(model_dir: str, checkpoint: tf.train.Checkpoint, keep: int,

@@ -71,7 +71,8 @@ class Evaluator:
         self.strategy = strategy = runtime.strategy
         precision = strategy_lib.resolve_precision(config.precision, runtime.device_kind,
                                                    config.deterministic)
-        self.spec = spec = build.dataset_spec(config)
+        data = build.run_data(config)
+        self.spec = spec = data.spec
         self.plan = build.plan(config, spec, 1)
         # The weights come from the checkpoints; what the task's evaluation reads is
         # built (not, e.g., a distillation's teacher).
@@ -80,11 +81,10 @@ class Evaluator:
         with strategy.scope():
             self.checkpoint = checkpoints.training_checkpoint(run.state)
         self.eval_loop = distributed.make_eval_loop(strategy, run.eval_step)
-        cache = inputs.choose_mode(config, spec,
-                                   self.plan.train_examples)[0] == inputs.MEMORY_MODE
+        cache = inputs.choose_mode(data, self.plan.train_examples)[0] == inputs.MEMORY_MODE
         self.eval_dataset = strategy.distribute_datasets_from_function(
-            inputs.eval_input_fn(config, spec, cache=cache))
-        self.splits = evaluation.SplitMapper(strategy, config, spec, run.state, cache)
+            inputs.eval_input_fn(data, cache=cache))
+        self.splits = evaluation.SplitMapper(strategy, data, run.state, cache)
 
     def evaluate(self, checkpoint_path: str) -> dict:
         """The metrics of one checkpoint (ckpt-N: the step N). CheckpointGone if

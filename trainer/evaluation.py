@@ -33,9 +33,9 @@ class SplitMapper:
     what a task's `before_evaluation(state, splits)` uses. Each split's pipeline is
     built once (in memory when the run's training data is)."""
 
-    def __init__(self, strategy: tf.distribute.Strategy, config, spec: sources.DatasetSpec,
-                 state, cache: bool = True):
-        self.strategy, self.config, self.spec, self.state = strategy, config, spec, state
+    def __init__(self, strategy: tf.distribute.Strategy, data: inputs.RunData, state,
+                 cache: bool = True):
+        self.strategy, self.data, self.spec, self.state = strategy, data, data.spec, state
         self.cache = cache
         self._datasets: dict[str, tuple] = {}
         self._steps: dict = {}
@@ -46,11 +46,10 @@ class SplitMapper:
         split's N examples (padding dropped), with "label" and "index" of each."""
         split = split or self.spec.train_split
         if split not in self._datasets:
-            _, count = sources.load(self.spec, split, self.config.data_dir,
-                                    self.config.download_data)
-            batch = self.config.eval_batch_size or self.config.batch_size
+            _, count = self.data.load(split)
+            batch = self.data.eval_batch_size or self.data.batch_size
             dataset = self.strategy.distribute_datasets_from_function(
-                inputs.eval_input_fn(self.config, self.spec, cache=self.cache, split=split))
+                inputs.eval_input_fn(self.data, cache=self.cache, split=split))
             self._datasets[split] = (dataset, pipeline.eval_steps(count, batch))
         dataset, steps = self._datasets[split]
         key = (id(fn), split)
@@ -119,5 +118,5 @@ def evaluate(eval_loop, eval_dataset, plan, spec: sources.DatasetSpec, task, mod
             result[key] = rounded.astype(np.int64) if np.allclose(total, rounded) else total
     result = task.finish_evaluation(result)
     if samples is not None:
-        result["samples"] = task.sample_predictions(model, samples)
+        result["samples"] = task.presenter(task).sample_predictions(model, samples)
     return result

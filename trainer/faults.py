@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 from absl import logging
 import tensorflow as tf
@@ -48,6 +48,28 @@ def diverged(what: str, last_checkpoint: str | None, advice: str
     kept = (f"the last good checkpoint, {last_checkpoint}, is kept" if last_checkpoint
             else "no checkpoint was saved before it (a rerun starts from step 0)")
     return TrainingDivergedError(f"{what}; stopped without saving: {kept} ({advice})")
+
+
+def check_steps(nonfinite_at: int, skipped: int, on_nan: str, first: int, last: int,
+                state, last_checkpoint: str | None) -> None:
+    """TrainingDivergedError if steps `first`..`last` left a weight non-finite
+    (`nonfinite_at`: the step; no copy undoes it: stop before anything is saved),
+    or skipped `skipped` updates for a non-finite loss or gradient under
+    --on_nan=stop; the step counter must have advanced once a step."""
+    if nonfinite_at:
+        raise diverged(f"step {nonfinite_at} left a weight non-finite "
+                       f"({', '.join(state.nonfinite()[:3])})", last_checkpoint,
+                       "lower the learning rate, or check the step's arithmetic")
+    if skipped and on_nan == "stop":
+        raise diverged(f"non-finite loss or gradient at {skipped} step(s) in steps "
+                       f"{first}-{last} (those updates were not applied)",
+                       last_checkpoint, "lower the learning rate, or pass "
+                       "--on_nan=skip_step")
+    counted = int(state.step.numpy())
+    if counted != last:
+        raise RuntimeError(f"the step counter must advance once per step, by the "
+                           f"wrapper alone (at step {last} it is {counted}): a task's "
+                           f"step must not assign state.step")
 
 
 class Preempted(RuntimeError):
@@ -107,6 +129,12 @@ class StopSignals:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous = {}
+
+    def poll(self, alone: bool) -> Callable[[], bool]:
+        """What an evaluation asks between its steps: whether to stop now. Only a
+        worker that can stop `alone`: one of several cannot (the others would wait
+        in a collective; they stop together at the end of the loop)."""
+        return (lambda: self.requested) if alone else (lambda: False)
 
     @contextlib.contextmanager
     def while_training(self) -> Iterator["StopSignals"]:

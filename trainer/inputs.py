@@ -1,28 +1,110 @@
-"""The run's data wiring: each input worker's training pipeline (resumable at a
-step) and the exact evaluation pipeline, built from the config and the dataset's
-spec; and read errors turned into messages that name the bad file."""
+"""The run's data: its settings (`DataSettings`), the one object a run reads its
+data through (`RunData`: the dataset's spec, where it lives, the image shape, the
+batch sizes), each input worker's training pipeline (resumable at a step), the
+exact evaluation pipeline, and read errors turned into messages that name the
+bad file."""
 import contextlib
+import dataclasses
 import os
 import re
+from typing import Any, Callable
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
 from data import augment, pipeline, sources, stream
+from trainer import settings
 from trainer import strategy as strategy_lib
-from trainer.config import Config
+
+_ = settings.section("data")  # (--help's heading, unless a field names another)
+MAX_IMAGE_SIZE = 4096  # a side; larger is a typo (one such image is 200 MB of floats)
 
 
-def image_shape(config: Config, spec: sources.DatasetSpec) -> tuple[int, int, int]:
-    size = config.image_size or spec.image_shape[0]
-    return (size, size, spec.image_shape[2])
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+    """What a run reads and how it augments it (flags of the same names)."""
+    dataset: str = _("cifar10", "Dataset: {datasets}, any TFDS image-classification "
+                     "dataset as NAME[:VERSION] (e.g. cifar100, imagenet2012, food101: "
+                     "classes, sizes and splits from its info), or "
+                     "'tfrecord:PATTERN[;eval=EVAL_PATTERN][;classes=N]' (TFRecords in "
+                     "the flowers codelab's format, local or gs://; without eval= a "
+                     "fixed part is held out).", resume=settings.NEVER)
+    train_split: str = _("", "TFDS split to train on (default: train; slices work, e.g. "
+                         "'train[:90%]').")
+    eval_split: str = _("", "TFDS split to evaluate on (default: validation, else test, "
+                        "else a fixed 15% held out of the training split).")
+    image_size: int = _(0, "Train and evaluate at this square size (0: the dataset's "
+                        "own).", low=0)
+    augment: str = _("", f"Training augmentation: "
+                     f"{'|'.join(augment.TRAIN_AUGMENTATIONS)} (default: the dataset's "
+                     "own: pad_crop_flip for CIFAR, flip_saturation for flowers).",
+                     choices=tuple(augment.TRAIN_AUGMENTATIONS))
+    alternating_flip: bool = _(False, "Flip each training image on alternate epochs "
+                               "(its first-epoch flip at random), instead of at random "
+                               "every epoch (airbench). Needs an augmentation that does "
+                               "not flip by itself, e.g. --augment=translate.")
+    shuffle_buffer: int = _(10_000, "Training shuffle: blocks of this many examples, "
+                            "visited in a random order, each permuted; the order depends "
+                            "only on --seed and the epoch (0: no shuffle).", low=0)
+    cache: str = _("auto", "auto|memory|none: memory decodes the training data into an "
+                   "in-memory cache before the first step; none streams it from its "
+                   "files, decoding on the fly (any size, bounded memory, exact "
+                   "resume); auto streams when the decoded data would pass a quarter of "
+                   "this machine's memory or the augmentation crops while decoding "
+                   "(ImageNet's), else caches.", choices=("auto", "memory", "none"),
+                   resume=True)
+    data_dir: str | None = _(None, "TFDS data dir; default: $TFDS_DATA_DIR, else the "
+                             "TFDS default.", resume=True)
+    download_data: bool = _(False, "Let TFDS download and prepare a missing dataset "
+                            "(needs network).", resume=True)
+    mixup_alpha: float = _(0.0, "Mixup: blend pairs of training images and their "
+                           "targets with a Beta(alpha, alpha) weight (0: off).",
+                           topic="the training step", low=0)
+    cutmix_alpha: float = _(0.0, "CutMix: paste a box of another training image, "
+                            "targets mixed by area, Beta(alpha, alpha) (0: off). With "
+                            "mixup too, each batch uses one of the two at random.",
+                            topic="the training step", low=0)
 
 
-def _prepare(config: Config, spec: sources.DatasetSpec):
+@dataclasses.dataclass(frozen=True)
+class RunData:
+    """The data a run reads, made once (trainer/build.py `run_data`): the dataset's
+    spec (splits, classes, normalization), the data settings, and the global batch
+    sizes and seed its pipelines use."""
+    spec: sources.DatasetSpec
+    settings: DataSettings
+    batch_size: int
+    eval_batch_size: int  # (0: batch_size)
+    seed: int = 0
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """The run's image shape: --image_size, else the dataset's own."""
+        size = self.settings.image_size or self.spec.image_shape[0]
+        return (size, size, self.spec.image_shape[2])
+
+    @property
+    def augment_name(self) -> str:
+        return self.settings.augment or self.spec.augment
+
+    def load(self, split: str, context: tf.distribute.InputContext | None = None
+             ) -> tuple[tf.data.Dataset, int]:
+        """(examples of `split`, their count); with `context`, this worker's shard."""
+        return sources.load(self.spec, split, self.settings.data_dir,
+                            self.settings.download_data, context=context)
+
+    def counts(self) -> tuple[int, int]:
+        """(training examples, evaluation examples)."""
+        return tuple(self.load(split)[1]
+                     for split in (self.spec.train_split, self.spec.eval_split))
+
+
+def _prepare(data: RunData):
     """Per-example decode-time resize, when the run's size differs from the data's."""
-    shape = image_shape(config, spec)
-    return (augment.make_resize(shape[0])
-            if spec.variable_size or shape != spec.image_shape else None)
+    return (augment.make_resize(data.image_shape[0])
+            if data.spec.variable_size or data.image_shape != data.spec.image_shape
+            else None)
 
 
 MEMORY_MODE, STREAM_MODE = "memory", "stream"
@@ -33,41 +115,42 @@ def memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def choose_mode(config: Config, spec: sources.DatasetSpec, train_examples: int,
+def choose_mode(data: RunData, train_examples: int,
                 num_workers: int = 1) -> tuple[str, sources.RecordFiles | None, str]:
     """(MEMORY_MODE or STREAM_MODE, the training split's record files, why) for
     --cache: memory decodes the data into an in-memory cache before the first step
     (fastest per epoch on small data); none streams from the files. auto streams
     when this worker's decoded share would pass CACHE_BUDGET of the memory, or
     when the augmentation crops while decoding (ImageNet's), and caches otherwise."""
-    files = sources.record_files(spec, spec.train_split, config.data_dir)
-    if config.cache == "none" and files is None:
+    spec, cache = data.spec, data.settings.cache
+    files = sources.record_files(spec, spec.train_split, data.settings.data_dir)
+    if cache == "none" and files is None:
         raise sources.DatasetError(
             f"--cache=none streams from record files, and {spec.name} has none here "
             f"(generated data, or TFDS data not on disk); use --cache=memory")
     decoded = stream.decoded_bytes(train_examples // max(num_workers, 1),
-                                   image_shape(config, spec))
+                                   data.image_shape)
     budget = int(CACHE_BUDGET * memory_bytes())
     sizes = f"decoded {decoded / 2**30:.2f} GiB, budget {budget / 2**30:.1f} GiB"
-    if config.cache == "memory" or files is None:
-        return MEMORY_MODE, files, f"--cache={config.cache}: in memory ({sizes})"
-    if config.cache == "none":
+    if cache == "memory" or files is None:
+        return MEMORY_MODE, files, f"--cache={cache}: in memory ({sizes})"
+    if cache == "none":
         return STREAM_MODE, files, f"--cache=none: streaming ({sizes})"
-    crop = (config.augment or spec.augment) in augment.DECODE_TIME_CROPS
+    crop = data.augment_name in augment.DECODE_TIME_CROPS
     if crop or decoded > budget:
         why = "the crop is done while decoding" if crop else "over the budget"
         return STREAM_MODE, files, f"--cache=auto: streaming, {why} ({sizes})"
     return MEMORY_MODE, files, f"--cache=auto: in memory ({sizes})"
 
 
-def _stream_decode(config: Config, spec: sources.DatasetSpec, augment_name: str):
+def _stream_decode(data: RunData, augment_name: str):
     """decode(image bytes, seed) for the stream: the decode-time crop, or a plain
     decode and the resize the cache would have applied."""
-    shape = image_shape(config, spec)
+    shape = data.image_shape
     if augment_name in augment.DECODE_TIME_CROPS:
         crop = augment.DECODE_TIME_CROPS[augment_name][0]
         return lambda image_bytes, seed: crop(image_bytes, seed, shape[0], shape[2])
-    prepare = _prepare(config, spec)
+    prepare = _prepare(data)
 
     def decode(image_bytes, seed):
         image = augment.decode_image(image_bytes, shape[2])
@@ -78,51 +161,83 @@ def _stream_decode(config: Config, spec: sources.DatasetSpec, augment_name: str)
     return decode
 
 
-def train_input_fn(config: Config, spec: sources.DatasetSpec, train_examples: int,
+def train_input_fn(data: RunData, train_examples: int,
                    start_step: int = 0, end_step: int | None = None,
                    counts: list | None = None, mode: str = MEMORY_MODE,
-                   files: sources.RecordFiles | None = None, task=None):
+                   files: sources.RecordFiles | None = None,
+                   own_batch: Callable | None = None):
     """The training input for `distribute_datasets_from_function`: each input
     worker's pipeline (in memory, or streamed from `files`: choose_mode), resuming at
     `start_step` (the data position is the step) and ending at `end_step` (None:
-    endless), yielding what the task's `training_batch` makes (default: the
-    augmented, normalized, mixed batch). counts: gets the examples each of this
+    endless), yielding what `own_batch` makes (a task's own `training_batch`,
+    trainer/build.py's Run.own_training_batch) or else the augmented, normalized,
+    mixed batch. counts: gets the examples each of this
     process's pipelines read (for `check_train_count`)."""
-    augment_name = config.augment or spec.augment
+    spec, settings_ = data.spec, data.settings
+    augment_name = data.augment_name
     normalize = augment.make_normalize(spec.mean, spec.std)
-    mix = augment.make_mix(spec.num_classes, config.mixup_alpha, config.cutmix_alpha)
+    mix = augment.make_mix(spec.num_classes, settings_.mixup_alpha, settings_.cutmix_alpha)
 
     def batch_maker(augment_fn):
         """The task's own training batch, if it has one (else None: the standard)."""
-        if task is None or not task.makes_own_batches():
+        if own_batch is None:
             return None
         standard = pipeline.standard_batch(augment_fn, normalize, mix)
-        return lambda images, labels, key: task.training_batch(images, labels, key,
-                                                               standard, normalize)
+        return lambda images, labels, key: own_batch(images, labels, key, standard,
+                                                     normalize)
 
     def stream_fn(context):
         batch_part = augment.DECODE_TIME_CROPS.get(augment_name, (None, augment_name))[1]
         augment_fn = augment.TRAIN_AUGMENTATIONS[batch_part]
         return stream.make_train_stream(
-            files, context, config.batch_size, _stream_decode(config, spec, augment_name),
-            augment_fn, normalize, config.shuffle_buffer,
-            seed=config.seed, start_step=start_step, end_step=end_step, mix=mix,
-            alternating_flip=config.alternating_flip, counts=counts,
+            files, context, data.batch_size, _stream_decode(data, augment_name),
+            augment_fn, normalize, settings_.shuffle_buffer,
+            seed=data.seed, start_step=start_step, end_step=end_step, mix=mix,
+            alternating_flip=settings_.alternating_flip, counts=counts,
             make_batch=batch_maker(augment_fn))
 
     def train_fn(context):
-        ds, _ = sources.load(spec, spec.train_split, config.data_dir, config.download_data,
-                             context=context)  # this worker's shard
-        return pipeline.make_train(ds, context, config.batch_size,
+        ds, _ = data.load(spec.train_split, context)  # this worker's shard
+        return pipeline.make_train(ds, context, data.batch_size,
                                    augment.TRAIN_AUGMENTATIONS[augment_name], normalize,
-                                   config.shuffle_buffer, seed=config.seed,
-                                   prepare=_prepare(config, spec),
+                                   settings_.shuffle_buffer, seed=data.seed,
+                                   prepare=_prepare(data),
                                    num_examples=train_examples, shard=False,
                                    start_step=start_step, end_step=end_step, mix=mix,
-                                   alternating_flip=config.alternating_flip,
+                                   alternating_flip=settings_.alternating_flip,
                                    counts=counts, make_batch=batch_maker(
                                        augment.TRAIN_AUGMENTATIONS[augment_name]))
     return stream_fn if mode == STREAM_MODE else train_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipelines:
+    """A run's distributed input: `train` (each worker's stream, resumed at the
+    step) and `eval` (every example once), and whether the data is in memory."""
+    train: Any
+    eval: Any
+    in_memory: bool
+
+
+def distribute(strategy: tf.distribute.Strategy, data: RunData, train_examples: int,
+               start_step: int, end_step: int, own_batch: Callable | None = None
+               ) -> Pipelines:
+    """The run's input pipelines on `strategy`: in memory (decoded once, before the
+    first step) or streamed from the files (choose_mode), the training stream from
+    `start_step` to `end_step` yielding the task's batches; a training split that
+    reads fewer examples than promised is one DatasetError line."""
+    mode, record_files, why = choose_mode(data, train_examples,
+                                          strategy_lib.num_workers(strategy))
+    logging.info("Input: %s", why)
+    with data_errors_explained(data.spec):  # the training cache is filled here
+        counts: list[int] = []  # what each pipeline read: all that was promised?
+        train = strategy.distribute_datasets_from_function(
+            train_input_fn(data, train_examples, start_step, end_step, counts, mode,
+                           record_files, own_batch))
+        check_train_count(strategy, data.spec, counts, train_examples)
+        evaluation = strategy.distribute_datasets_from_function(
+            eval_input_fn(data, cache=mode == MEMORY_MODE))
+    return Pipelines(train, evaluation, mode == MEMORY_MODE)
 
 
 def check_train_count(strategy: tf.distribute.Strategy, spec: sources.DatasetSpec,
@@ -146,54 +261,51 @@ def resize_uint8(image, size: int) -> np.ndarray:
     return tf.cast(image, tf.uint8).numpy()
 
 
-def init_images(config: Config, spec: sources.DatasetSpec, count: int = 5000
-                ) -> np.ndarray:
+def init_images(data: RunData, count: int = 5000) -> np.ndarray:
     """The first `count` training images as the model sees them (resized,
     normalized, not augmented): float32 [count, H, W, C], the same on every worker.
     For layers initialised from data (models.init_from_data)."""
-    ds, _ = sources.load(spec, spec.train_split, config.data_dir, config.download_data)
-    prepare = _prepare(config, spec)
+    ds, _ = data.load(data.spec.train_split)
+    prepare = _prepare(data)
     if prepare is not None:
         ds = ds.map(prepare)
     images, labels = next(iter(ds.take(count).batch(count)))
-    images, _ = augment.make_normalize(spec.mean, spec.std)(images, labels)
+    images, _ = augment.make_normalize(data.spec.mean, data.spec.std)(images, labels)
     return images.numpy()
 
 
-def _eval_prepare(config: Config, spec: sources.DatasetSpec):
+def _eval_prepare(data: RunData):
     """ImageNet-style data is evaluated on the central 224/256 crop; the rest is
     resized as for training."""
-    if central_crop(config, spec):
-        return augment.make_central_crop(image_shape(config, spec)[0])
-    return _prepare(config, spec)
+    if central_crop(data):
+        return augment.make_central_crop(data.image_shape[0])
+    return _prepare(data)
 
 
-def central_crop(config: Config, spec: sources.DatasetSpec) -> bool:
+def central_crop(data: RunData) -> bool:
     """Whether evaluation (and serving) takes the central 224/256 crop."""
-    return (config.augment or spec.augment) in augment.DECODE_TIME_CROPS
+    return data.augment_name in augment.DECODE_TIME_CROPS
 
 
-def eval_image(config: Config, spec: sources.DatasetSpec, image) -> np.ndarray:
+def eval_image(data: RunData, image) -> np.ndarray:
     """Any [H, W, C] image -> uint8 at the run's size, as evaluation prepares it
     (resized, or the central crop for ImageNet-style data)."""
-    size = image_shape(config, spec)[0]
-    if central_crop(config, spec):
+    size = data.image_shape[0]
+    if central_crop(data):
         image, _ = augment.make_central_crop(size)(tf.convert_to_tensor(image), 0)
         return tf.cast(image, tf.uint8).numpy()
     return resize_uint8(image, size)
 
 
-def eval_input_fn(config: Config, spec: sources.DatasetSpec, cache: bool = True,
-                  split: str | None = None):
+def eval_input_fn(data: RunData, cache: bool = True, split: str | None = None):
     """The evaluation input: every example of `split` (default: the evaluation
     split) once, padded to full batches (mask 0); cache=False reads (and decodes)
     it again at every evaluation."""
     def eval_fn(context):
-        ds, n = sources.load(spec, split or spec.eval_split, config.data_dir,
-                             config.download_data)
-        return pipeline.make_eval(ds, n, context, config.eval_batch_size or config.batch_size,
-                                  augment.make_normalize(spec.mean, spec.std),
-                                  cache=cache, prepare=_eval_prepare(config, spec))
+        ds, n = data.load(split or data.spec.eval_split)
+        return pipeline.make_eval(ds, n, context, data.eval_batch_size or data.batch_size,
+                                  augment.make_normalize(data.spec.mean, data.spec.std),
+                                  cache=cache, prepare=_eval_prepare(data))
     return eval_fn
 
 

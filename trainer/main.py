@@ -28,7 +28,8 @@ cli.set_native_log_level(sys.argv)
 from absl import flags, logging  # noqa: E402
 
 from data import files  # noqa: E402
-from trainer import checkpoints, faults, locks, loop, run_flags  # noqa: E402
+from trainer import build, checkpoints, faults, locks, loop, run_flags  # noqa: E402
+from trainer import schedules  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 from trainer.settings import message_of  # noqa: E402
 
@@ -77,7 +78,12 @@ def main(argv: list[str]) -> None:
             with locks.held(config.model_dir, "trainer.main",
                             strategy_lib.is_chief_process(config.strategy)):
                 if FLAGS.plot_schedule:
-                    print(f"wrote {loop.plot_schedule(config)}")
+                    plan = build.plan(config, build.run_data(config).spec,
+                                      config.cpu_replicas)
+                    path = loop.plot_schedule(config.group(schedules.ScheduleSettings),
+                                              plan, config.model_dir,
+                                              f"{config.model} on {config.dataset}")
+                    print(f"wrote {path}")
                     return
                 loop.train_and_evaluate(config, stop_signals=stop)
             if stop.requested:

@@ -11,6 +11,7 @@ is refused with one line: on N replicas it would sum the summed gradient again.
 the data position, checkpoints and logs all read it, and a skipped update still
 advances it (its batch was consumed).
 """
+import dataclasses
 import fnmatch
 import functools
 import inspect
@@ -19,7 +20,7 @@ import keras
 import tensorflow as tf
 
 import models
-from trainer import distributed
+from trainer import distributed, settings
 
 # Constructor arguments set from the run's own flags, or that would fight the step.
 _SET_BY_FLAGS = {"learning_rate": "the schedule (--learning_rate, --lr_schedule)",
@@ -107,6 +108,38 @@ def names() -> tuple[str, ...]:
     return tuple(sorted(keras_optimizers()))
 
 
+_ = settings.section("optimization")  # (--help's heading, unless a field names another)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+    """What `create` builds an optimizer with (flags of the same names)."""
+    optimizer: str = _("adam", f"Any optimizer Keras ships: {'|'.join(names())} "
+                       "(sgd uses Nesterov momentum --momentum).", choices=names(),
+                       resume=settings.NEVER)
+    optimizer_options: str = _("", "The optimizer's own constructor arguments, "
+                               "'name=value,...' (e.g. 'beta_1=0.95,epsilon=1e-7' for "
+                               "adam, 'nesterov=false' for sgd).", resume=settings.NEVER)
+    momentum: float = _(0.9, "Momentum for sgd (other optimizers: --optimizer_options).")
+    weight_decay: float = _(0.0, "Decoupled weight decay (not applied to biases and "
+                            "norm layers unless --decay_vectors).", low=0)
+    decay_vectors: bool = _(False, "Weight decay on 1-D variables too: biases and "
+                            "batch-norm offsets (airbench decays every trained variable).")
+    lr_multipliers: str = _("", "Per-variable learning-rate factors, 'PATTERN=FACTOR,...': "
+                            "the first glob matching a trainable variable's path wins "
+                            "(e.g. '*/beta=64': batch-norm biases x64, as airbench; "
+                            "weight decay is not multiplied).")
+    freeze_after_epochs: str = _("", "Variables that stop training after some epochs, "
+                                 "'PATTERN=EPOCHS,...' (globs on the variable's path, as "
+                                 "--lr_multipliers): from then on no gradient step and no "
+                                 "weight decay (airbench: 'whiten/*=3').")
+    ema_decay: float = _(0.0, "Weight averaging: keep an exponential moving average of "
+                         "the weights with this per-step decay (e.g. 0.99), evaluate "
+                         "and save it; metrics also show the raw weights' (0: off).",
+                         topic="the training step", low=0, high=1, high_open=True,
+                         resume=settings.ON_OFF)
+
+
 @functools.cache
 def summed(cls: type) -> type:
     """`cls` (a Keras optimizer class) applying the gradient it is given, without a
@@ -184,27 +217,32 @@ def lr_multipliers(variables: list, pairs: list[tuple[str, float]]) -> list[floa
     return per_variable(variables, pairs, 1.0)
 
 
-def create(name: str, learning_rate, variables, weight_decay: float = 0.0,
-           momentum: float = 0.9, precision: str = "float32",
-           ema_decay: float = 0.0, lr_multipliers_text: str = "",
-           options_text: str = "", decay_vectors: bool = False,
-           freeze_text: str = "", steps_per_epoch: int = 1,
-           step_counter: tf.Variable | None = None) -> keras.optimizers.Optimizer:
-    """Builds and *builds* the optimizer `name` (any of `names()`; slot variables
-    exist before the first step), wrapped by `summed`.
+def create(settings: OptimizerSettings | str, learning_rate, variables,
+           precision: str = "float32", steps_per_epoch: int = 1,
+           step_counter: tf.Variable | None = None, **fields) -> keras.optimizers.Optimizer:
+    """Builds and *builds* the optimizer of `settings` (an OptimizerSettings, or an
+    optimizer's name and `fields` of OptimizerSettings: a test's shorthand; slot
+    variables exist before the first step), wrapped by `summed`.
 
     Call inside `strategy.scope()`: Keras 3 optimizers must create their slots there,
     or the first distributed update fails (keras-team/keras#23085).
-    sgd uses Nesterov momentum `momentum` (override: options_text
+    sgd uses Nesterov momentum `momentum` (override: optimizer_options
     'nesterov=false'); other optimizers take their momentum-like arguments from
-    options_text ('beta_1=0.95', ...). Weight decay is decoupled (AdamW style) and
-    skips 1-D variables (biases and batch-norm scales/offsets) unless
-    decay_vectors (airbench decays them too). ema_decay > 0 keeps
-    a moving average of the weights (see trainer/averaging.py). freeze_text
-    ('PATTERN=EPOCHS,...', --freeze_after_epochs): matching variables get no
-    update from that epoch on (epochs of `steps_per_epoch` steps of
-    `step_counter`, the run's step; default: the optimizer's iteration count).
+    optimizer_options ('beta_1=0.95', ...). Weight decay is decoupled (AdamW style)
+    and skips 1-D variables (biases and batch-norm scales/offsets) unless
+    decay_vectors (airbench decays them too). ema_decay > 0 keeps a moving average
+    of the weights (see trainer/averaging.py). freeze_after_epochs
+    ('PATTERN=EPOCHS,...'): matching variables get no update from that epoch on
+    (epochs of `steps_per_epoch` steps of `step_counter`, the run's step; default:
+    the optimizer's iteration count).
     """
+    if isinstance(settings, str):
+        settings = OptimizerSettings(optimizer=settings, **fields)
+    name, weight_decay, decay_vectors = (settings.optimizer, settings.weight_decay,
+                                         settings.decay_vectors)
+    ema_decay, momentum = settings.ema_decay, settings.momentum
+    options_text, freeze_text = settings.optimizer_options, settings.freeze_after_epochs
+    lr_multipliers_text = settings.lr_multipliers
     classes = keras_optimizers()
     if name not in classes:
         raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(names())}")

@@ -9,7 +9,7 @@ from absl import flags, logging
 
 from data import files, sources
 import models
-from trainer import checkpoints, cli, config as config_lib, tasks, user_code
+from trainer import checkpoints, cli, config as config_lib, run_settings, tasks, user_code
 from trainer import strategy as strategy_lib
 
 # Errors that mean "the user asked for something impossible": one line, status 2.
@@ -38,11 +38,11 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     definers = {str: flags.DEFINE_string, int: flags.DEFINE_integer,
                 float: flags.DEFINE_float, bool: flags.DEFINE_bool}
     # In --help's order: by topic (config.TOPICS; a task's settings under it).
-    for field in sorted(_setting_fields(), key=lambda f: config_lib.help_rank(f.name)):
+    for field in sorted(_setting_fields(), key=lambda f: run_settings.help_rank(f.name)):
         kind = type(field.default) if field.default is not None else str
         cli.define_flag(flag_values, definers[kind], flag_name(field.name),
                         field.default, _with_choices(field.metadata["help"]),
-                        topic=config_lib.help_topic(field.name))
+                        topic=run_settings.help_topic(field.name))
 
 
 def _with_choices(text: str) -> str:
@@ -61,7 +61,7 @@ def config_from_flags(flag_values: flags.FlagValues) -> config_lib.Config:
     # (A command imports them before it defines its flags, cli.import_user_code;
     # again here for a main called in-process.)
     user_code.import_modules(flag_values[user_code.FLAG].value)
-    config, origin = config_lib.resolve(
+    config, origin = run_settings.resolve(
         {name: flag_values[flag_name(name)].value for name in names},
         {name for name in names if flag_values[flag_name(name)].present})
     if origin:
@@ -69,4 +69,4 @@ def config_from_flags(flag_values: flags.FlagValues) -> config_lib.Config:
         logging.info("Recipe for %s: %s", config.model, ", ".join(
             f"{name}={values[name]} ({source})" for name, source in origin.items()
             if name in values))
-    return config_lib.validate(config, models.names(), sources.names())
+    return run_settings.validate(config, models.names(), sources.names())

@@ -13,12 +13,46 @@ Every schedule starts with a linear warmup from `start` (default: `floor`) to
                 learning-rate range test: python -m trainer.tools.lr_find)
 Epochs here are fractional (step / steps_per_epoch), so the curve is smooth.
 """
+import dataclasses
 import math
 
 import keras
 import tensorflow as tf
 
+from trainer import settings
+
 KINDS = ("constant", "exponential", "cosine", "linear", "rampup", "range_test")
+
+_ = settings.section("optimization")  # (--help's heading of each field below)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleSettings:
+    """What a run's `WarmupSchedule` is made of (flags of the same names)."""
+    learning_rate: float = _(1e-3, "Peak learning rate.", low=0, low_open=True)
+    lr_schedule: str = _("constant", f"{'|'.join(KINDS)}, each after a linear warmup "
+                         "(rampup: the flowers codelab's ramp-up/sustain/decay).",
+                         choices=KINDS)
+    warmup_epochs: float = _(0.0, "Linear warmup from --min_learning_rate to the peak.",
+                             low=0)
+    warmup_start_factor: float = _(0.0, "If > 0, the warmup starts at this x the peak "
+                                   "instead of --min_learning_rate (airbench: 0.2).")
+    lr_decay_rate: float = _(0.8, "Per-epoch factor of the exponential and rampup "
+                             "schedules.", low=0, low_open=True, high=1)
+    sustain_epochs: float = _(0.0, "rampup: epochs to hold the peak after warmup.", low=0)
+    min_learning_rate: float = _(0.0, "Warmup start and floor of the decaying "
+                                 "schedules.", low=0)
+
+    def make(self, total_steps: int, steps_per_epoch: int) -> "WarmupSchedule":
+        """The run's schedule over `total_steps` steps of `steps_per_epoch` a epoch."""
+        return WarmupSchedule(
+            self.lr_schedule, self.learning_rate, total_steps, steps_per_epoch,
+            warmup_steps=round(self.warmup_epochs * steps_per_epoch),
+            decay_rate=self.lr_decay_rate,
+            sustain_steps=round(self.sustain_epochs * steps_per_epoch),
+            floor=self.min_learning_rate,
+            start=self.warmup_start_factor * self.learning_rate
+            if self.warmup_start_factor > 0 else None)
 
 
 class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):

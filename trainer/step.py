@@ -13,8 +13,8 @@ needs them:
 An `Objective` says what to differentiate: a function of the batch returning the
 per-example loss and metrics, and the variables. Random numbers in a step come
 from trainer/randomness.py (the same on every replica and after a resume).
-Settings of the step are `StepOptions` fields (filled from the Config fields of the
-same names: add both, with help text in trainer/config.py). A new metric is one
+Settings of the step are `StepSettings` fields below: a new one is a field there
+(its flag, help, range and resume rule come with it) and its use. A new metric is one
 more key in the dict a step returns: the log line, TensorBoard and metrics.json
 show every key (a name starting with "_" is the loop's, not shown). Check a
 changed step with `python -m trainer.check_step`.
@@ -33,7 +33,7 @@ from typing import Callable, Protocol
 import keras
 import tensorflow as tf
 
-from trainer import averaging, distributed, optimizers
+from trainer import averaging, distributed, optimizers, settings
 from trainer.distributed import Metric  # (total, weight): shown as total / weight
 from trainer.state import MAIN, TrainState, moving_statistics
 
@@ -57,35 +57,43 @@ STEP_METRICS = ("loss", "grad_norm", "skipped")  # the step's own
 apply_or_skip = optimizers.apply_or_skip
 
 
+_ = settings.section("the training step")  # (--help's heading of each field below)
+
+
 @dataclasses.dataclass(frozen=True)
-class StepOptions:
-    """The step's settings. Each field is filled from the Config field of the same
-    name (see the flag help in trainer/config.py); the rest are derived."""
-    batch_size: int                   # GLOBAL batch, summed over replicas
-    clip_grad_norm: float = 0.0       # of the summed gradient; 0: off
-    grad_accum_steps: int = 1         # micro-batches per replica batch
-    sam_rho: float = 0.0              # SAM's step uphill; 0: off
-    lookahead_every: int = 0          # pull to the slow weights every k steps; 0: off
-    lookahead_decay: float = 0.95     # per step, compounded over k steps
-    total_steps: int = 0              # of the run (the Lookahead's schedule)
+class StepSettings:
+    """The settings `train_step` below carries out, each a flag of its name (its
+    help, range and resume rule here; trainer/settings.py). A task with a step of
+    its own lists those it carries out in its `step_settings`; a run that sets
+    another is refused, never silently ignored."""
+    clip_grad_norm: float = _(0.0, "Clip the global norm of the gradient summed over "
+                              "all replicas to this value (0: off).", low=0)
+    grad_accum_steps: int = _(1, "Split each replica's batch into this many "
+                              "micro-batches and add their gradients: one update per "
+                              "step, less memory (the per-replica batch must divide).",
+                              low=0, low_open=True)
+    sam_rho: float = _(0.0, "Sharpness-aware minimization: take the gradient again at "
+                       "the weights moved this far uphill along the summed gradient, "
+                       "and apply that one (two passes a step; 0: off).", low=0)
+    lookahead_every: int = _(0, "Lookahead (airbench): every N steps move slow weights "
+                             "towards the weights by (1 - decay) and set the weights to "
+                             "them; decay = lookahead_decay^N * (step/total)^3; at the "
+                             "end the weights are the slow ones (0: off).", low=0,
+                             resume=settings.ON_OFF)
+    lookahead_decay: float = _(0.95, "Lookahead's per-step decay (see "
+                               "--lookahead_every).", low=0, low_open=True, high=1)
 
-    @classmethod
-    def from_config(cls, config, **derived) -> "StepOptions":
-        """Every field from the Config field of its name, or from `derived`."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        missing = names - set(derived) - {n for n in names if hasattr(config, n)}
-        if missing - {"total_steps"}:  # a typo would silently keep the default
-            raise ValueError(f"StepOptions fields without a Config field of the same "
-                             f"name: {sorted(missing)}; add them to trainer/config.py")
-        return cls(**{**{n: getattr(config, n) for n in names if hasattr(config, n)},
-                      **derived})
+
+# The step settings' names (docs/examples: a task whose step carries out them all).
+SETTINGS = tuple(field.name for field in dataclasses.fields(StepSettings))
 
 
-# The settings above that change what a step does (the rest describe the run). The
-# default train_step carries out all of them; a task with a step of its own lists
-# those it does in its `step_settings`, and a run that sets another is refused.
-SETTINGS = ("clip_grad_norm", "grad_accum_steps", "sam_rho", "lookahead_every",
-            "lookahead_decay")
+@dataclasses.dataclass(frozen=True)
+class StepOptions(StepSettings):
+    """What a step runs with: the run's StepSettings and what is derived from the
+    run (trainer/build.py makes it)."""
+    batch_size: int = dataclasses.field(kw_only=True)  # GLOBAL, summed over replicas
+    total_steps: int = dataclasses.field(default=0, kw_only=True)  # (Lookahead's schedule)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,7 @@ class Settings(classification.Settings):
 class Adversarial(classification.Classification):
     name = "adversarial"
     Settings = Settings
-    best_metric, curve_metric = "robust_accuracy", "robust_accuracy"
+    best = base.Best("robust_accuracy", higher_is_better=True)
 
     def random_start(self, state, batch, radius):
         """Each example's start in the ball, from (--seed, the step, its index)."""

@@ -41,10 +41,11 @@ def sample_gradients(task: base.Task, state: TrainState, samples: dict | None
     task's objective or the samples lack what its loss reads."""
     if type(task).train_step is not base.Task.train_step or not samples:
         return None
-    if any(key not in samples for key in task.batch_keys):
+    keys = [key for key in task.batch_keys if key != "target"]  # (only mixed batches)
+    if any(key not in samples for key in keys):
         return None
-    batch = {key: tf.convert_to_tensor(samples[key]) for key in task.batch_keys}
-    batch["image"] = task.normalize(samples["image"])
+    batch = {key: tf.convert_to_tensor(samples[key]) for key in keys}
+    batch["image"] = base.normalize(task.spec, samples["image"])
     model = state.models["main"]
     trainable = [tf.convert_to_tensor(v.value) for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]

@@ -25,17 +25,17 @@ from typing import Any
 import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
 
-from trainer import callbacks, config as config_lib
+from trainer import callbacks, run_settings
 from trainer.output import summaries
 
 DIRECTORY = "hparams"
 _NOT_METRICS = ("train_seconds", "wall_seconds", "test_examples")
 
 
-def hparams_of(config: config_lib.Config) -> dict[str, bool | int | float | str]:
-    """The settings as HParams values: all but model_dir (the session is named
-    after the run) and those unset (None)."""
-    return {name: value for name, value in config.settings().items()
+def hparams_of(settings: dict[str, Any]) -> dict[str, bool | int | float | str]:
+    """The settings (`Config.settings()`) as HParams values: all but model_dir (the
+    session is named after the run) and those unset (None)."""
+    return {name: value for name, value in settings.items()
             if name != "model_dir" and isinstance(value, (bool, int, float, str))}
 
 
@@ -71,23 +71,23 @@ def _cell(value: Any) -> str:
     return "`" + text.replace("|", "\\|") + "`"
 
 
-def settings_markdown(config: config_lib.Config) -> str:
-    """The settings as Markdown: those that differ from what the model, dataset
-    and task train with by default (the recipe) first, beside the recipe's value,
-    then the others."""
-    changed = config_lib.changed_from_recipe(config)
-    baseline = config_lib.recipe_values(config.model, config.dataset, config.task)
-    values = config.settings()
-    lines = [f"**{config.model}** on **{config.dataset}**, task {config.task}, "
-             f"seed {config.seed}, in `{config.model_dir}`", ""]
+def settings_markdown(values: dict[str, Any]) -> str:
+    """The settings (`Config.settings()`) as Markdown: those that differ from what
+    the model, dataset and task train with by default (the recipe) first, beside
+    the recipe's value, then the others."""
+    changed = run_settings.changed_from_recipe(values)
+    model = values["model"]
+    baseline = run_settings.recipe_values(model, values["dataset"], values["task"])
+    lines = [f"**{model}** on **{values['dataset']}**, task {values['task']}, "
+             f"seed {values['seed']}, in `{values['model_dir']}`", ""]
     if changed:
-        lines += [f"Settings that differ from the recipe ({config.model}'s, with "
+        lines += [f"Settings that differ from the recipe ({model}'s, with "
                   f"the defaults):", "", "| setting | this run | recipe |",
                   "| --- | --- | --- |"]
         lines += [f"| {name} | {_cell(value)} | {_cell(baseline.get(name))} |"
                   for name, value in changed.items()]
     else:
-        lines.append(f"Every setting is the recipe's ({config.model}'s, with the "
+        lines.append(f"Every setting is the recipe's ({model}'s, with the "
                      f"defaults).")
     lines += ["", "The other settings:" if changed else "The settings:", "",
               "| setting | value |", "| --- | --- |"]
@@ -108,14 +108,14 @@ class HParams(callbacks.Callback):
     def on_train_begin(self, context: callbacks.Context) -> None:
         if not context.is_chief:
             return
-        config = context.config
+        settings = context.config.settings()
         self.directory = os.path.join(context.model_dir, DIRECTORY)
         with summaries.write_errors_explained(context.model_dir):
             self.writer = tf.summary.create_file_writer(self.directory)
             with self.writer.as_default(step=context.start_step):
-                hp.hparams(hparams_of(config), trial_id=trial_id(context.model_dir),
+                hp.hparams(hparams_of(settings), trial_id=trial_id(context.model_dir),
                            start_time_secs=int(time.time()))
-                tf.summary.text("settings", settings_markdown(config))
+                tf.summary.text("settings", settings_markdown(settings))
             self.writer.flush()
 
     def on_train_end(self, metrics: dict) -> None:

@@ -1,14 +1,19 @@
-"""Progress lines, images/sec, ETA, the set-up log lines and the weights'
-checksum."""
+"""Progress lines, images/sec, ETA, the set-up log lines, what the first steps
+and the end say, the profiler's trace, and the weights' checksum."""
+import contextlib
 import hashlib
+import os
 import sys
 import time
+from typing import Iterator
 
 import numpy as np
+import tensorflow as tf
 
 from absl import logging
 
-from trainer import distributed, schedules
+import models
+from trainer import distributed, randomness, schedules
 from trainer.output import progress_bar
 
 
@@ -69,6 +74,28 @@ class Progress:
         if not self.input_timed:
             return None
         return self.input_wait_seconds / self.train_seconds if self.train_seconds else 0.0
+
+    @classmethod
+    def for_run(cls, plan, start_step: int, global_batch_size: int, display,
+                flops_per_image: float = 0.0, peak_flops: float = 0.0) -> "Progress":
+        """The progress of a run of `plan` (trainer/build.py's Plan): a live bar on
+        `display` if it is a terminal (None: the chief's alone shows one), else
+        plain log lines."""
+        bars = (progress_bar.EpochBars(plan.total_steps, plan.steps_per_epoch, display)
+                if display is not None and progress_bar.is_live_terminal(display) else None)
+        return cls(plan.total_steps, plan.steps_per_epoch, global_batch_size, start_step,
+                   bars, flops_per_image, peak_flops)
+
+    def live(self):
+        """Within the block, log records print above the live bar (if there is one)."""
+        return self.bars.above_the_bar() if self.bars else contextlib.nullcontext()
+
+    def summary(self, step: int) -> dict:
+        """What metrics.json says of the training's speed up to `step`."""
+        return {"images_per_second": self.images_per_second(step),
+                "input_wait_fraction": self.input_wait_fraction(),  # None: not timed
+                "peak_memory_gib": peak_memory_bytes() / 2**30, **self.flop_rates(step),
+                "skipped_steps": self.skipped_steps}
 
     def images_per_second(self, step: int) -> float:
         images = (step - self.start_step) * self.global_batch_size
@@ -239,9 +266,15 @@ def state_checksum(state) -> str:
     return digest.hexdigest()
 
 
-def log_setup(config, spec, runtime, plan, precision: str, jit: bool, schedule,
-              state, step_options) -> None:
-    """The run's set-up in a few log lines, before the first step."""
+def log_setup(run, runtime, flops_per_image: float, peak: float) -> None:
+    """The set-up of `run` (trainer/build.py's Run: its config, data, plan, task,
+    state and step) on `runtime`'s devices in a few log lines, before the first
+    step; the step's float ops per image and the device's measured peak (0: not
+    measured)."""
+    config, spec, plan, state = run.config, run.spec, run.plan, run.state
+    precision, jit = runtime.precision, runtime.jit
+    logging.info("Model input: %s (%s's input_range)",
+                 models.INPUT_RANGES[models.entry(config.model).input_range], config.model)
     logging.info("Strategy: %s", runtime.describe())
     logging.info("Batch: global %d = %d replicas x %d per replica%s | precision %s | "
                  "XLA %s", config.batch_size, runtime.num_replicas,
@@ -251,8 +284,8 @@ def log_setup(config, spec, runtime, plan, precision: str, jit: bool, schedule,
                   if config.grad_accum_steps > 1 else ""),
                  precision, "on" if jit else "off")
     logging.info("Step: %s", ", ".join(
-        f"{name}={value}" for name, value in vars(step_options).items()))
-    settings = ", ".join(f"{k}={v}" for k, v in vars(config.task_options()).items())
+        f"{name}={value}" for name, value in vars(run.step_options).items()))
+    settings = ", ".join(f"{k}={v}" for k, v in vars(run.task.settings).items())
     logging.info("Task: %s%s", config.task, f" ({settings})" if settings else "")
     sizes = ", ".join(f"{name} {model.count_params():,}" + (
         "" if name in state.optimizers else " (no optimizer)")
@@ -275,4 +308,77 @@ def log_setup(config, spec, runtime, plan, precision: str, jit: bool, schedule,
     if config.ema_decay:
         logging.info("Weight averaging: EMA with decay %g per step; evaluation and "
                      "model.weights.h5 use the average", config.ema_decay)
-    logging.info("LR schedule %s: %s", config.lr_schedule, schedules.describe(schedule))
+    logging.info("LR schedule %s: %s", config.lr_schedule,
+                 schedules.describe(run.schedule))
+    logging.info("%.0f MFLOP per training image%s", flops_per_image / 1e6,
+                 f"; the run's {precision} matmul peak {peak / 1e9:.0f} GFLOP/s"
+                 if peak else "")
+
+
+def log_finished(model_dir: str, metrics: dict) -> None:
+    """The line of a rerun of a finished run (`metrics`: its final ones)."""
+    early = metrics.get("stopped_early")
+    logging.info("The run in %s is finished (%d steps%s; its metrics.json and weights "
+                 "are kept as they are); nothing to do. %s", model_dir, metrics["steps"],
+                 f": {early}" if early else "", "Another --model_dir trains anew" if early
+                 else "A larger --train_steps or --epochs trains it further")
+
+
+def log_first_steps(first: int, last: int, seconds: float, train_loop, iterator) -> None:
+    """What start-up cost (building, caching, tracing: the first steps are done
+    `seconds` after the start), and one warning line if the traced step draws with
+    a stateful random op: its numbers differ on each replica and after a resume
+    (trainer/randomness.py)."""
+    logging.info("Steps %d-%d done %.1f s after the start", first, last, seconds)
+    graph = train_loop.get_concrete_function(iterator, tf.constant(1),
+                                             tf.constant(0.0)).graph
+    found = randomness.stateful_random_ops(graph)
+    if found:
+        logging.warning("the step draws with a stateful random op, %s: replicas draw "
+                        "other numbers and a resumed run too; draw from "
+                        "trainer.randomness (step_seed, per_example_normal, ...)",
+                        "; ".join(found[:3]) + (" ..." if len(found) > 3 else ""))
+
+
+def log_done(describe: str, metrics: dict) -> None:
+    logging.info("Done: %s on %d examples, %.1f s training, %.0f img/s%s, peak "
+                 "memory %.2f GiB", describe, metrics["test_examples"],
+                 metrics["train_seconds"], metrics["images_per_second"],
+                 input_text(metrics["input_wait_fraction"]), metrics["peak_memory_gib"])
+
+
+class Profiler:
+    """--profile_steps A,B: a TensorFlow profiler trace of steps A to B in
+    `log_dir` (TensorBoard's Profile tab). `marks`: the steps the loop must stop at."""
+
+    def __init__(self, steps: tuple[int, int] | tuple, log_dir: str):
+        self.marks, self.log_dir, self.running = tuple(steps), log_dir, False
+
+    def before(self, step: int) -> None:
+        """Starts the trace if `step` is its first."""
+        if self.marks and step == self.marks[0]:
+            tf.profiler.experimental.start(self.log_dir)
+            self.running = True
+
+    def after(self, step: int) -> None:
+        """Stops the trace once `step` reaches its last."""
+        if self.running and step >= self.marks[1]:
+            tf.profiler.experimental.stop()
+            self.running = False
+            run_dir = os.path.dirname(self.log_dir.rstrip("/"))
+            logging.info("profiler trace of steps %d-%d in %s (TensorBoard's Profile tab; "
+                         "python -m trainer.tools.profile_summary --logdir=%s)",
+                         self.marks[0], self.marks[1], self.log_dir, run_dir)
+
+    @contextlib.contextmanager
+    def stopped_at_exit(self) -> Iterator[None]:
+        """A run that ends (or fails) between A and B still stops the profiler, so
+        the next run in this process can start one."""
+        try:
+            yield
+        finally:
+            if self.marks:
+                try:
+                    tf.profiler.experimental.stop()
+                except tf.errors.UnavailableError:  # stopped at B already
+                    pass

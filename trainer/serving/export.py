@@ -47,11 +47,11 @@ def _to_model_size(images: tf.Tensor, size: int, central: bool = False) -> tf.Te
 
 def serving_functions(trained: inference.TrainedModel) -> dict:
     """name -> (function, input signature) for the SavedModel."""
-    size, task, model = trained.image_size, trained.task, trained.model
-    central = inputs.central_crop(trained.config, trained.spec)
+    size, presenter, model = trained.image_size, trained.presenter, trained.model
+    central = inputs.central_crop(trained.data)
 
     def predict_images(images):
-        return task.serve_images(model, _to_model_size(images, size, central))
+        return presenter.serve_images(model, _to_model_size(images, size, central))
 
     def decode_one(data):
         image = tf.io.decode_image(data, channels=3, expand_animations=False)
@@ -60,7 +60,7 @@ def serving_functions(trained: inference.TrainedModel) -> dict:
     def serve_bytes(image_bytes):
         images = tf.map_fn(decode_one, image_bytes,
                            fn_output_signature=tf.TensorSpec([size, size, 3], tf.uint8))
-        return task.serve_images(model, images)
+        return presenter.serve_images(model, images)
 
     return {"serving_default": (serve_bytes, [tf.TensorSpec([None], tf.string,
                                                             name="image_bytes")]),
@@ -79,8 +79,9 @@ def export(model_dir: str, export_dir: str) -> str:
                              f"the SavedModel {export_dir}")
     archive = keras.export.ExportArchive()
     archive.track(trained.model)
-    functions = trained.task.export_functions(
-        trained.model, serving_functions(trained) if trained.task.serves_images else {})
+    functions = trained.presenter.export_functions(
+        trained.model, serving_functions(trained) if trained.presenter.serves_images
+        else {})
     for name, (fn, signature) in functions.items():
         archive.add_endpoint(name, fn, input_signature=signature)
     # Whole or not at all: written beside export_dir, then renamed to it. The

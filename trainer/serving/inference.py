@@ -43,7 +43,7 @@ def decode_file(path: str) -> np.ndarray:
 
 class TrainedModel:
     """The output model of a run (its task's: the classifier, a GAN's generator, a
-    mean teacher's teacher) and its task, rebuilt on this machine with
+    mean teacher's teacher), its task and the task's presenter, rebuilt on this machine with
     trainer/build.py from run_config.json and the weights the run evaluated (the
     average with --ema_decay): model.weights.h5 of a finished run; of one that has
     not finished (stopped, or still training) best.weights.h5, else its newest
@@ -58,7 +58,8 @@ class TrainedModel:
         self.config = build.config_of_run(model_dir)
         self.spec = build.model_input_spec(sources.spec_of_run(self.config.dataset, model_dir),
                                            self.config.model)
-        self.image_size = inputs.image_shape(self.config, self.spec)[0]
+        self.data = build.run_data(self.config, self.spec)  # (what evaluation reads)
+        self.image_size = self.data.image_shape[0]
         weights, self.weights = checkpoints.weights_to_serve(model_dir)
         if weights:
             run = self._build(build.SERVE)
@@ -67,6 +68,7 @@ class TrainedModel:
         else:
             run = self._from_checkpoint(model_dir, self.weights)
         self.task, self.model = run.task, run.output_model
+        self.presenter = run.task.presenter(run.task)  # what predict and export serve
         if self.weights != WEIGHTS_FILE:
             logging.warning("using %s", self.weights)
 
@@ -99,7 +101,7 @@ class TrainedModel:
     def serve(self, images: list) -> dict[str, np.ndarray]:
         """The task's serving outputs (e.g. class probabilities) for images of any
         size, resized and normalized as evaluation does."""
-        batch = np.stack([inputs.eval_image(self.config, self.spec, image)
+        batch = np.stack([inputs.eval_image(self.data, image)
                           for image in images])
         return {key: np.asarray(value)
-                for key, value in self.task.serve_images(self.model, batch).items()}
+                for key, value in self.presenter.serve_images(self.model, batch).items()}

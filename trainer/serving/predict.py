@@ -68,18 +68,18 @@ def run(args: Options) -> list[str]:
     output_dir = args.output_dir or os.path.join(args.model_dir, "predictions")
     files.refuse_links(output_dir, (args.model_dir,), "--output_dir")
     trained = inference.TrainedModel(args.model_dir)
-    if not trained.task.serves_images:  # a generator: no input needed
+    if not trained.presenter.serves_images:  # a generator: no input needed
         if args.images or args.index is not None:
             raise UsageError(f"a {trained.config.task} run generates its images: give "
                              f"no image files or --index (--samples=N sets how many)")
         return [f"model {trained.config.model} ({trained.config.task}) trained on "
                 f"{trained.spec.name} (from {args.model_dir})",
-                *trained.task.report_generated(trained.model,
-                                               os.path.join(output_dir, "samples"),
-                                               args.samples, seed=0)]
+                *trained.presenter.report_generated(trained.model,
+                                                    os.path.join(output_dir, "samples"),
+                                                    args.samples, seed=0)]
     if args.index is not None:
         spec = sources.get_spec(args.dataset or trained.config.dataset)
-        trained.task.check_data(spec)
+        trained.presenter.check_data(spec)
         split = args.split or spec.eval_split
         image, label = _dataset_image(spec, split, args.index, args.data_dir)
         items = [(f"{spec.name} {split} image {args.index} "
@@ -96,9 +96,9 @@ def run(args: Options) -> list[str]:
              f"{trained.image_size}x{trained.image_size}"]
     served = trained.serve([image for _, image, _, _ in items])
     for row, (title, image, example, stem) in enumerate(items):
-        lines += trained.task.report(
+        lines += trained.presenter.report(
             {key: value[row] for key, value in served.items()}, title,
-            inputs.eval_image(trained.config, trained.spec, image), example,
+            inputs.eval_image(trained.data, image), example,
             os.path.join(output_dir, stem), top=args.top or 5)
     return lines
 

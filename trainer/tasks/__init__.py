@@ -1,5 +1,6 @@
 """Tasks: what a run optimizes and measures (--task). The contract is
-trainer/tasks/base.py; each task is one file here, registered with
+trainer/tasks/base.py (how a trained model is served and drawn: its presenter,
+trainer/tasks/presenter.py); each task is one file here, registered with
 `@base.register`, and every module in this folder is imported at the first look-up
 of a task (`names()`, `get()`, ...), not with the package: a new task is one new
 file, and it may import any trainer module at its top.
@@ -8,5 +9,7 @@ Built in: classification (the default), distill (a student and a finished run as
 its teacher), autoencoder (reconstruction, no labels), gan (two networks and
 optimizers), simclr (two views, contrastive).
 """
-from trainer.tasks.base import (Task, all_setting_fields, get, make_settings,  # noqa: F401
-                                names, owners, register, setting_fields)
+from trainer.tasks.base import (Best, Presenter, Task, all_setting_fields,  # noqa: F401
+                                check_model, check_model_kind, get, make_settings,
+                                makes_own_batches, names, num_classes, owners, register,
+                                setting_fields)

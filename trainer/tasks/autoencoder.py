@@ -36,48 +36,13 @@ class Settings:
                               f"{self.reconstruction_loss!r}")
 
 
-@base.register
-class Autoencoder(base.Task):
-    name = "autoencoder"
-    Settings = Settings
-    batch_keys = ("image",)
-    model_outputs = (models.IMAGE,)
-    best_metric, higher_is_better, curve_metric = "loss", False, "psnr"
+class AutoencoderPresenter(base.Presenter):
+    """The reconstruction as uint8 pixels; predict writes it as a PNG; the
+    pictures show each input beside its reconstruction."""
     tiles_per_sample = 2  # the input and its reconstruction
-    recipe = dict(model="conv_autoencoder", dataset="cifar10", batch_size=256,
-                  optimizer="adam", learning_rate=2e-3, lr_schedule="cosine",
-                  warmup_epochs=0.5, epochs=10, augment="translate_flip")
-
-    def num_classes(self) -> None:
-        return None
-
-    def expected_output_shape(self) -> tuple[int, ...]:
-        return tuple(self.input_shape)
-
-    def _errors(self, images: tf.Tensor, reconstruction: tf.Tensor):
-        """(the per-example loss, the per-example PSNR in dB), on [0, 1] pixels."""
-        difference = (self.to_pixels(tf.cast(reconstruction, images.dtype))
-                      - self.to_pixels(images))
-        squared = tf.reduce_mean(tf.square(difference), axis=[1, 2, 3])
-        psnr = 10.0 * tf.math.log(1.0 / tf.maximum(squared, 1e-10)) / np.log(10.0)
-        if self.settings.reconstruction_loss == "l1":
-            return tf.reduce_mean(tf.abs(difference), axis=[1, 2, 3]), psnr
-        return squared, psnr
-
-    def loss(self, batch: dict, reconstruction) -> tuple[tf.Tensor, dict[str, base.Metric]]:
-        loss, psnr = self._errors(batch["image"], reconstruction)
-        return loss, {"psnr": (tf.reduce_sum(psnr), tf.reduce_sum(tf.ones_like(psnr)))}
-
-    def eval_metrics(self, batch: dict, reconstruction, weights: tf.Tensor
-                     ) -> dict[str, base.Metric]:
-        loss, psnr = self._errors(batch["image"], reconstruction)
-        weights = tf.cast(weights, loss.dtype)
-        count = tf.reduce_sum(weights)
-        return {"loss": (tf.reduce_sum(loss * weights), count),
-                "psnr": (tf.reduce_sum(psnr * weights), count)}
 
     def serve(self, reconstruction) -> dict[str, tf.Tensor]:
-        pixels = self.to_pixels(tf.cast(reconstruction, tf.float32)) * 255.0
+        pixels = base.to_pixels(self.spec, tf.cast(reconstruction, tf.float32)) * 255.0
         return {"reconstruction": tf.cast(tf.clip_by_value(tf.round(pixels), 0, 255),
                                           tf.uint8)}
 
@@ -98,3 +63,38 @@ class Autoencoder(base.Task):
             images += [image, reconstruction]
             titles += ["input", f"{psnr_of_pixels(image, reconstruction):.1f} dB"]
         figures.image_grid(figure, np.stack(images), titles, columns=10)
+
+
+@base.register
+class Autoencoder(base.Task):
+    name = "autoencoder"
+    Settings = Settings
+    batch_keys = ("image",)
+    model_outputs = (models.IMAGE,)
+    best = base.Best("loss", curve="psnr")
+    presenter = AutoencoderPresenter
+    recipe = dict(model="conv_autoencoder", dataset="cifar10", batch_size=256,
+                  optimizer="adam", learning_rate=2e-3, lr_schedule="cosine",
+                  warmup_epochs=0.5, epochs=10, augment="translate_flip")
+
+    def _errors(self, images: tf.Tensor, reconstruction: tf.Tensor):
+        """(the per-example loss, the per-example PSNR in dB), on [0, 1] pixels."""
+        difference = (base.to_pixels(self.spec, tf.cast(reconstruction, images.dtype))
+                      - base.to_pixels(self.spec, images))
+        squared = tf.reduce_mean(tf.square(difference), axis=[1, 2, 3])
+        psnr = 10.0 * tf.math.log(1.0 / tf.maximum(squared, 1e-10)) / np.log(10.0)
+        if self.settings.reconstruction_loss == "l1":
+            return tf.reduce_mean(tf.abs(difference), axis=[1, 2, 3]), psnr
+        return squared, psnr
+
+    def loss(self, batch: dict, reconstruction) -> tuple[tf.Tensor, dict[str, base.Metric]]:
+        loss, psnr = self._errors(batch["image"], reconstruction)
+        return loss, {"psnr": (tf.reduce_sum(psnr), tf.reduce_sum(tf.ones_like(psnr)))}
+
+    def eval_metrics(self, batch: dict, reconstruction, weights: tf.Tensor
+                     ) -> dict[str, base.Metric]:
+        loss, psnr = self._errors(batch["image"], reconstruction)
+        weights = tf.cast(weights, loss.dtype)
+        count = tf.reduce_sum(weights)
+        return {"loss": (tf.reduce_sum(loss * weights), count),
+                "psnr": (tf.reduce_sum(psnr * weights), count)}

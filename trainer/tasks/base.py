@@ -1,25 +1,35 @@
 """The task contract: what a run optimizes and measures, and how its step trains.
 
 A task is one file in trainer/tasks/ with a `Task` subclass decorated with
-`@register`; `--task=NAME` picks it. The loop, evaluation, the pictures, predict,
-export and check_step call only the methods below, so nothing outside a task
-assumes labels, classes or argmax.
+`@register`; `--task=NAME` picks it. The loop, evaluation and check_step call only
+the members below, so nothing outside a task assumes labels, classes or argmax.
+
+The contract has two halves. THIS class is the research author's half, what a new
+task reads and writes: its declarations, its state, its step, its evaluation.
+The other half, how a trained model is served and drawn (predict's lines, the
+SavedModel's signatures, the evaluation pictures), is the task's presenter
+(trainer/tasks/presenter.py), named by `presenter`: a task that subclasses a
+built-in one inherits its presenter and serves as it does.
 
 Declared (class attributes):
 - `name`, and `Settings`: a frozen dataclass of the task's own settings, each
   field made with `settings.setting(default, help)`; every field is a flag
   (trainer/main.py), stored in `Config.task_settings`. Validate in
   `__post_init__` (raise ConfigError).
-- `batch_keys`: the batch keys it reads ("image", "label", ...);
-  `soft_targets`: whether it trains on mixed "target"s (--mixup_alpha/--cutmix_alpha).
+- `batch_keys`: the batch keys its loss reads ("image", "label", ...); "target"
+  among them: it trains on the mixed soft targets --mixup_alpha/--cutmix_alpha
+  make (a run that sets them for another task is refused).
 - `model_outputs`: the model output kinds it accepts for --model (models.LOGITS,
-  HEADS, IMAGE, GENERATOR).
+  HEADS, IMAGE, GENERATOR). A LOGITS/HEADS model is built with the dataset's
+  classes (`num_classes(task)`), another number with `build.model(num_classes=N)`.
 - `output_model`: the state's model that the weights files hold and that
   evaluation, predict and export use (default "main"; a GAN's generator, a mean
   teacher's teacher).
-- `best_metric`, `higher_is_better`: the evaluation metric that picks
-  best.weights.h5; `curve_metric`: the one summary.png plots beside the loss.
+- `best`: a `Best(metric, higher_is_better, curve)`: the evaluation metric that
+  picks best.weights.h5, and the one summary.png plots beside the loss.
 - `recipe`: defaults for `--task=NAME` (e.g. its model), under the flags.
+- `step_settings`: for a step of its own, the step settings it carries out.
+- `presenter`: the Presenter class that serves and draws its output model.
 
 The state and the step (see trainer/state.py and trainer/step.py):
 - `create_state(build)`: under the strategy's scope, the TrainState: the models
@@ -55,21 +65,10 @@ Per replica, inside the default step (tensors in, tensors out):
   "loss" whose weight is the number of examples counted (weights: 0 for padding).
   A non-scalar total (e.g. a confusion matrix) is kept for the pictures.
 
-Outside the step (eager numpy, or the SavedModel's graph for `serve`):
-- `check_kind(model_name)`, `check(model_name, model)`: one-line ConfigError if
-  the model (declared, then built) does not fit; `check_data(spec)`: if another
-  dataset does not (predict --index).
-- `serve(predictions)`: the outputs of predict and of the exported SavedModel;
-  `export_functions(model, image_functions)`: the SavedModel's signatures
-  (default: the image ones); `serves_images`: False for a task whose output model
-  takes no image (a generator): predict then calls `report_generated`.
-- `report(served, title, image, example, output_stem, top)`: predict's lines for
-  one image (`served`: its row of `serve`; `image`: the uint8 input at the model's
-  size; `example`: the dataset example, or None for a file; `output_stem`: where
-  it may write a file, without extension; `top`: how many items to list).
-- `sample_predictions(model, samples)`, `draw_samples(figure, samples)`,
-  `pictures(samples, details, title)`: the evaluation pictures (TensorBoard,
-  summary.png); `samples` holds the first eval examples ("image" uint8, ...).
+Module functions the framework calls with a task (not overridden): `num_classes`,
+`check_model_kind` / `check_model` (a one-line ConfigError for a model that does
+not fit), `makes_own_batches`; and `normalize(spec, images)` / `to_pixels(spec,
+normalized)` (uint8 pixels <-> the model's input space), for tasks too.
 """
 import dataclasses
 import importlib
@@ -78,16 +77,16 @@ import pkgutil
 from typing import Any, Callable, ClassVar
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 import models
-from data import augment, sources
+from data import sources
 from trainer import step
 from trainer.distributed import Metric  # (total, weight); tasks write base.Metric
 from trainer.settings import ConfigError
-from trainer.output import figures
 from trainer.state import TrainState
+# (re-exported: a task file needs `base` alone, for its presenter and its pixels)
+from trainer.tasks.presenter import Presenter, normalize, to_pixels  # noqa: F401
 
 
 
@@ -96,68 +95,36 @@ class NoSettings:
     """A task without settings of its own."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Best:
+    """The evaluation metric (a key of eval_metrics, without "test_") that picks
+    best.weights.h5, early stopping and the summary's best point, which way is
+    better, and `curve`: the metric summary.png plots beside the loss (default:
+    `metric`)."""
+    metric: str = "loss"
+    higher_is_better: bool = False
+    curve: str = ""
+
+    def __post_init__(self):
+        if not self.curve:
+            object.__setattr__(self, "curve", self.metric)
+
+
 class Task:
+    """The research author's half of the contract (module docstring); serving and
+    pictures are `presenter`'s."""
     name: ClassVar[str] = ""
     Settings: ClassVar[type] = NoSettings
     batch_keys: ClassVar[tuple[str, ...]] = ("image",)
-    soft_targets: ClassVar[bool] = False
     model_outputs: ClassVar[tuple[str, ...]] = (models.LOGITS,)
     output_model: ClassVar[str] = "main"
-    serves_images: ClassVar[bool] = True
-    best_metric: ClassVar[str] = "loss"
-    higher_is_better: ClassVar[bool] = False
-    curve_metric: ClassVar[str] = "loss"
-    tiles_per_sample: ClassVar[int] = 1  # image tiles draw_samples draws per example
+    best: ClassVar[Best] = Best("loss")
     recipe: ClassVar[dict] = {}
+    presenter: ClassVar[type[Presenter]] = Presenter
 
     def __init__(self, settings: Any, spec: sources.DatasetSpec,
                  input_shape: tuple[int, int, int]):
         self.settings, self.spec, self.input_shape = settings, spec, input_shape
-
-    # --- set-up --------------------------------------------------------------------
-
-    def num_classes(self) -> int | None:
-        """What a LOGITS/HEADS model is built with (None: the task needs no classes)."""
-        return self.spec.num_classes
-
-    def expected_output_shape(self) -> tuple[int, ...]:
-        """One example's model output (the main head's, for HEADS)."""
-        return (self.num_classes(),)
-
-    def check_kind(self, model_name: str) -> None:
-        """ConfigError (one line) unless the model declares an output this task
-        reads (models.register(outputs=...)); before the model is built."""
-        kind = models.entry(model_name).outputs
-        if kind not in self.model_outputs:
-            fitting = ", ".join(models.names_with_outputs(self.model_outputs)) or "none"
-            raise ConfigError(
-                f"task {self.name} needs a model that outputs "
-                f"{' or '.join(models.OUTPUT_KINDS[k] for k in self.model_outputs)}; "
-                f"{model_name} outputs {models.OUTPUT_KINDS[kind]} (models that fit: "
-                f"{fitting})")
-
-    def check(self, model_name: str, model: keras.Model) -> None:
-        """ConfigError (one line) unless the built model outputs what this task
-        reads, in exactly the shape it compares it with."""
-        self.check_kind(model_name)
-        output = model.output
-        if isinstance(output, dict):  # (also where --model_options added heads)
-            if "logits" not in output or models.HEADS not in self.model_outputs:
-                raise ConfigError(
-                    f"{model_name} outputs a dict of {sorted(output)}; task {self.name} "
-                    f"reads " + (" or ".join(models.OUTPUT_KINDS[k]
-                                            for k in self.model_outputs)))
-            output = output["logits"]
-        shape = tuple(output.shape[1:])
-        if shape != self.expected_output_shape():
-            raise ConfigError(
-                f"{model_name} outputs shape {shape} per example, but task {self.name} "
-                f"compares it with {self.expected_output_shape()}; change the model's "
-                f"output (or --image_size) so they match exactly")
-
-    def check_data(self, spec: sources.DatasetSpec) -> None:
-        """ConfigError if another dataset's examples do not fit this run (predict
-        --index on another dataset)."""
 
     # --- the state and the step ------------------------------------------------------
 
@@ -168,7 +135,7 @@ class Task:
         return build.state({"main": model}, {"main": build.optimizer(model)})
 
     # A task with a train_step of its own: the step settings (trainer/step.py's
-    # SETTINGS: --clip_grad_norm, --sam_rho, ...) it carries out. A run that sets
+    # SETTINGS: the StepSettings fields) it carries out. A run that sets
     # any other is refused at build, never silently ignored. (The default step
     # carries out all of them.)
     step_settings: tuple[str, ...] = ()
@@ -201,9 +168,6 @@ class Task:
         normalization alone. The pipeline adds "index"."""
         return standard(images, labels, key)
 
-    def makes_own_batches(self) -> bool:
-        return type(self).training_batch is not Task.training_batch
-
     def training_flops(self, state: TrainState, forward: Callable[[keras.Model], float],
                        options) -> float:
         """The float ops of one training step per example: 3 x the main model's
@@ -228,67 +192,58 @@ class Task:
                      ) -> dict[str, Metric]:
         raise NotImplementedError
 
-    # --- outside the step -------------------------------------------------------------
 
-    def serve(self, predictions) -> dict[str, tf.Tensor]:
-        raise NotImplementedError
+# --- what the framework asks of any task (functions: nothing here to override) -----
 
-    def export_functions(self, model: keras.Model, image_functions: dict) -> dict:
-        """name -> (function, input signature) of the exported SavedModel; default
-        the image ones (serving_default of encoded images, predict_images)."""
-        return image_functions
+def num_classes(task: Task) -> int | None:
+    """The classes a LOGITS/HEADS model of `task` is built with: the dataset's
+    (None: the task reads no logits, e.g. an image model)."""
+    if set(task.model_outputs) & {models.LOGITS, models.HEADS}:
+        return task.spec.num_classes
+    return None
 
-    def report_generated(self, model: keras.Model, output_stem: str, count: int,
-                         seed: int) -> list[str]:
-        """predict's lines for a task whose output model takes no image
-        (serves_images False), e.g. a grid of `count` generated samples."""
-        raise ConfigError(f"task {self.name} serves images: give predict image files "
-                          f"or --index")
 
-    def report(self, served: dict[str, np.ndarray], title: str, image: np.ndarray,
-               example: dict | None, output_stem: str, top: int = 5) -> list[str]:
-        """top: how many items to list, where the task lists any (classes)."""
-        raise NotImplementedError
+def check_model_kind(task: Task, model_name: str) -> None:
+    """ConfigError (one line) unless the model declares an output `task` reads
+    (models.register(outputs=...)); before the model is built."""
+    kind = models.entry(model_name).outputs
+    if kind not in task.model_outputs:
+        fitting = ", ".join(models.names_with_outputs(task.model_outputs)) or "none"
+        raise ConfigError(
+            f"task {task.name} needs a model that outputs "
+            f"{' or '.join(models.OUTPUT_KINDS[k] for k in task.model_outputs)}; "
+            f"{model_name} outputs {models.OUTPUT_KINDS[kind]} (models that fit: "
+            f"{fitting})")
 
-    def serve_images(self, model: keras.Model, images_uint8) -> dict[str, tf.Tensor]:
-        """`serve` of uint8 images at the model's size, normalized as evaluation
-        does: what predict prints and the SavedModel returns."""
-        return self.serve(self.predict(model, self.normalize(images_uint8)))
 
-    def sample_predictions(self, model: keras.Model, samples: dict) -> dict:
-        """samples + what the pictures show of the model's predictions (eager, on
-        this worker alone: no collective, so the chief may do it by itself)."""
-        return {**samples, **{key: np.asarray(value) for key, value in
-                              self.serve_images(model, samples["image"]).items()}}
+def check_model(task: Task, model_name: str, model: keras.Model,
+                classes: int | None = None) -> None:
+    """ConfigError (one line) unless the built model outputs what `task` reads, in
+    exactly the shape it compares it with: (classes,) for logits (default: the
+    dataset's, `num_classes`), the input's shape for an image model."""
+    check_model_kind(task, model_name)
+    output = model.output
+    if isinstance(output, dict):  # (also where --model_options added heads)
+        if "logits" not in output or models.HEADS not in task.model_outputs:
+            raise ConfigError(
+                f"{model_name} outputs a dict of {sorted(output)}; task {task.name} "
+                f"reads " + (" or ".join(models.OUTPUT_KINDS[k]
+                                        for k in task.model_outputs)))
+        output = output["logits"]
+    shape = tuple(output.shape[1:])
+    classes = num_classes(task) if classes is None else classes
+    expected = (classes,) if classes is not None else tuple(task.input_shape)
+    if shape != expected:
+        raise ConfigError(
+            f"{model_name} outputs shape {shape} per example, but task {task.name} "
+            f"compares it with {expected}; change the model's output (or "
+            f"--image_size) so they match exactly")
 
-    def draw_samples(self, figure, samples: dict) -> None:
-        """Draws the sample predictions into a matplotlib (sub)figure (a task that
-        draws none does not override this)."""
 
-    def draws_samples(self) -> bool:
-        return type(self).draw_samples is not Task.draw_samples
-
-    def pictures(self, samples: dict | None, details: dict, title: str) -> dict:
-        """{TensorBoard tag: Figure} at an evaluation: the sample predictions."""
-        if samples is None or not self.draws_samples():
-            return {}
-        figure = figures.new_figure(len(samples["image"]) * self.tiles_per_sample)
-        self.draw_samples(figures.titled(figure, title), samples)
-        return {"predictions": figure}
-
-    # --- shared helpers -----------------------------------------------------------
-
-    def normalize(self, images_uint8) -> tf.Tensor:
-        """uint8 pixels -> the model's input, exactly as evaluation prepares them."""
-        normalized, _ = augment.make_normalize(self.spec.mean, self.spec.std)(
-            tf.convert_to_tensor(images_uint8, tf.uint8), None)
-        return normalized
-
-    def to_pixels(self, normalized: tf.Tensor) -> tf.Tensor:
-        """The model's input space -> float pixels in [0, 1] (unclipped)."""
-        mean = tf.constant(self.spec.mean, normalized.dtype)
-        std = tf.constant(self.spec.std, normalized.dtype)
-        return normalized * std + mean
+def makes_own_batches(task: Task) -> bool:
+    """Whether `task` overrides `training_batch` (else the pipeline's standard
+    batch, without the call)."""
+    return type(task).training_batch is not Task.training_batch
 
 
 _TASKS: dict[str, type[Task]] = {}
@@ -305,14 +260,37 @@ def _import_the_folder() -> None:
         return
     _FOLDER_IMPORTED = True  # (before: a task module may look tasks up as it loads)
     for module in pkgutil.iter_modules([os.path.dirname(__file__)]):
-        if module.name not in ("__init__", "base"):
+        if module.name not in ("__init__", "base", "presenter"):
             importlib.import_module(f"trainer.tasks.{module.name}")
+
+
+# Task members that moved (issue 44): a task that still defines one would have it
+# silently ignored, so registering it says where it went.
+_MOVED = {**dict.fromkeys(("serve", "serve_images", "export_functions", "serves_images",
+                           "report", "report_generated", "check_data",
+                           "sample_predictions", "draw_samples", "draws_samples",
+                           "pictures", "tiles_per_sample"), "its presenter's (a "
+                          "`presenter = ...` Presenter subclass, trainer/tasks/presenter.py)"),
+          **dict.fromkeys(("best_metric", "higher_is_better", "curve_metric"),
+                          "`best = base.Best(metric, higher_is_better, curve)`"),
+          "soft_targets": '"target" in `batch_keys`',
+          "num_classes": "`build.model(num_classes=N)` in create_state",
+          "expected_output_shape": "`build.model(num_classes=N)` in create_state",
+          **dict.fromkeys(("normalize", "to_pixels"), "`base.normalize(self.spec, x)` / "
+                          "`base.to_pixels(self.spec, x)`"),
+          **dict.fromkeys(("check", "check_kind", "makes_own_batches"),
+                          "the framework's (base.check_model, base.makes_own_batches)")}
 
 
 def register(cls: type[Task]) -> type[Task]:
     """`@register` above a Task subclass makes it --task=<cls.name>."""
     if not cls.name or cls.name in _TASKS:
         raise ValueError(f"task {cls.__name__} needs a unique `name` (got {cls.name!r})")
+    for klass in cls.__mro__:
+        moved = [name for name in vars(klass) if name in _MOVED]
+        if moved and klass is not Task:
+            raise ValueError(f"task {cls.name}: {klass.__name__}.{moved[0]} is no longer "
+                             f"a Task member; it is now {_MOVED[moved[0]]}")
     _TASKS[cls.name] = cls
     return cls
 

@@ -61,14 +61,68 @@ def hits(logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
                    tf.float32)
 
 
+class ClassificationPresenter(base.Presenter):
+    """The class probabilities when serving; predict's top classes; pictures of
+    the sample predictions and the confusion matrix."""
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return self.spec.class_names or tuple(str(i) for i in range(self.spec.num_classes))
+
+    def check_data(self, spec) -> None:
+        if spec.num_classes != self.spec.num_classes:
+            raise ConfigError(f"{spec.name} has {spec.num_classes} classes but the model "
+                              f"was trained on {self.spec.name} ({self.spec.num_classes}); "
+                              f"pick a matching --dataset")
+
+    def serve(self, logits: tf.Tensor) -> dict[str, tf.Tensor]:
+        probabilities = tf.nn.softmax(tf.cast(logits, tf.float32))
+        index = tf.argmax(probabilities, axis=-1)
+        return {"probabilities": probabilities, "class_index": index,
+                "class_name": tf.gather(tf.constant(list(self.class_names)), index)}
+
+    def report(self, served: dict, title: str, image, example: dict | None,
+               output_stem: str, top: int = 5) -> list[str]:
+        """The top classes with their names and probabilities."""
+        if example is not None and "label" in example:
+            title += f", true class: {self.class_names[int(example['label'])]}"
+        probabilities = served["probabilities"]
+        order = probabilities.argsort()[::-1][:min(top, len(self.class_names))]
+        width = max(len(self.class_names[i]) for i in order)
+        return [title, *(f"  {rank}. {self.class_names[i]:<{width}}  "
+                         f"{100 * probabilities[i]:6.2f}%"
+                         for rank, i in enumerate(order, 1))]
+
+    def draw_samples(self, figure, samples: dict) -> None:
+        """Tiles titled 'predicted (p%)', green if right, red if wrong, with the
+        true class under the wrong ones."""
+        titles, colors = [], []
+        for label, predicted, probabilities in zip(
+                samples["label"], samples["class_index"], samples["probabilities"]):
+            right = int(label) == int(predicted)
+            title = (f"{figures.name_of(self.class_names, predicted)} "
+                     f"({100 * probabilities.max():.0f}%)")
+            titles.append(title if right else
+                          f"{title}\ntrue: {figures.name_of(self.class_names, label)}")
+            colors.append(figures.RIGHT if right else figures.WRONG)
+        figures.image_grid(figure, samples["image"], titles, colors)
+
+    def pictures(self, samples: dict | None, details: dict, title: str) -> dict:
+        pictures = super().pictures(samples, details, title)
+        if "confusion_matrix" in details:
+            pictures["confusion_matrix"] = figures.confusion(
+                details["confusion_matrix"], self.class_names, title=title)
+        return pictures
+
+
 @base.register
 class Classification(base.Task):
     name = "classification"
     Settings = Settings
-    batch_keys = ("image", "label")
-    soft_targets = True
+    batch_keys = ("image", "label", "target")  # "target": trains on mixed soft targets
     model_outputs = (models.LOGITS, models.HEADS)
-    best_metric, higher_is_better, curve_metric = "accuracy", True, "accuracy"
+    best = base.Best("accuracy", higher_is_better=True)
+    presenter = ClassificationPresenter
 
     def loss(self, batch: dict, outputs) -> tuple[tf.Tensor, dict[str, base.Metric]]:
         """The objective against the targets (soft targets if the batch has them,
@@ -123,60 +177,10 @@ class Classification(base.Task):
         metrics = {"loss": (tf.reduce_sum(per_example_loss * weights), count),
                    "accuracy": (tf.reduce_sum(hits(logits, labels)
                                               * tf.cast(weights, tf.float32)), count)}
-        if self.num_classes() <= MAX_CONFUSION_CLASSES:
+        classes = self.spec.num_classes
+        if classes <= MAX_CONFUSION_CLASSES:
             metrics["confusion_matrix"] = (tf.math.confusion_matrix(
                 labels, tf.argmax(logits, -1, output_type=labels.dtype),
-                self.num_classes(), weights=tf.cast(weights, tf.float32),
+                classes, weights=tf.cast(weights, tf.float32),
                 dtype=tf.float32), count)
         return metrics
-
-    # --- outside the step ----------------------------------------------------------
-
-    def check_data(self, spec) -> None:
-        if spec.num_classes != self.num_classes():
-            raise ConfigError(f"{spec.name} has {spec.num_classes} classes but the model "
-                              f"was trained on {self.spec.name} ({self.num_classes()}); "
-                              f"pick a matching --dataset")
-
-    @property
-    def class_names(self) -> tuple[str, ...]:
-        return self.spec.class_names or tuple(str(i) for i in range(self.num_classes()))
-
-    def serve(self, logits: tf.Tensor) -> dict[str, tf.Tensor]:
-        probabilities = tf.nn.softmax(tf.cast(logits, tf.float32))
-        index = tf.argmax(probabilities, axis=-1)
-        return {"probabilities": probabilities, "class_index": index,
-                "class_name": tf.gather(tf.constant(list(self.class_names)), index)}
-
-    def report(self, served: dict, title: str, image, example: dict | None,
-               output_stem: str, top: int = 5) -> list[str]:
-        """The top classes with their names and probabilities."""
-        if example is not None and "label" in example:
-            title += f", true class: {self.class_names[int(example['label'])]}"
-        probabilities = served["probabilities"]
-        order = probabilities.argsort()[::-1][:min(top, len(self.class_names))]
-        width = max(len(self.class_names[i]) for i in order)
-        return [title, *(f"  {rank}. {self.class_names[i]:<{width}}  "
-                         f"{100 * probabilities[i]:6.2f}%"
-                         for rank, i in enumerate(order, 1))]
-
-    def draw_samples(self, figure, samples: dict) -> None:
-        """Tiles titled 'predicted (p%)', green if right, red if wrong, with the
-        true class under the wrong ones."""
-        titles, colors = [], []
-        for label, predicted, probabilities in zip(
-                samples["label"], samples["class_index"], samples["probabilities"]):
-            right = int(label) == int(predicted)
-            title = (f"{figures.name_of(self.class_names, predicted)} "
-                     f"({100 * probabilities.max():.0f}%)")
-            titles.append(title if right else
-                          f"{title}\ntrue: {figures.name_of(self.class_names, label)}")
-            colors.append(figures.RIGHT if right else figures.WRONG)
-        figures.image_grid(figure, samples["image"], titles, colors)
-
-    def pictures(self, samples: dict | None, details: dict, title: str) -> dict:
-        pictures = super().pictures(samples, details, title)
-        if "confusion_matrix" in details:
-            pictures["confusion_matrix"] = figures.confusion(
-                details["confusion_matrix"], self.class_names, title=title)
-        return pictures

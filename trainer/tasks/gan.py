@@ -77,6 +77,71 @@ def frechet_distance(mean_a, cov_a, mean_b, cov_b) -> float:
                  - 2 * trace_sqrt)
 
 
+class GanPresenter(base.Presenter):
+    """Generated images: predict writes a grid of them, the SavedModel maps latent
+    vectors (or seeds) to images, the pictures show them."""
+    serves_images = False
+    tiles_per_sample = 2  # generated images shown per eval sample
+
+    def generate(self, model: keras.Model, count: int, seed: int = 0) -> np.ndarray:
+        """`count` uint8 images from fixed latent vectors (eager)."""
+        latent = randomness.fixed_per_example(
+            randomness.fixed_seed(seed, EVAL_LATENTS), tf.range(count),
+            model.inputs[0].shape[1:])
+        return self.serve(model(latent, training=False))["image"].numpy()
+
+    def serve(self, generated) -> dict[str, tf.Tensor]:
+        pixels = (tf.cast(generated, tf.float32) + 1.0) * 127.5
+        return {"image": tf.cast(tf.clip_by_value(tf.round(pixels), 0, 255), tf.uint8)}
+
+    def export_functions(self, model: keras.Model, image_functions: dict) -> dict:
+        """serving_default(latent: float32 [N, latent_dim]) and
+        generate_from_seed(seeds: int32 [N]) -> {"image": uint8 [N, H, W, C]}."""
+        latent_shape = model.inputs[0].shape[1:]
+
+        def from_latent(latent):
+            return self.serve(model(latent, training=False))
+
+        def from_seed(seeds):
+            latent = tf.map_fn(
+                lambda s: randomness.fixed_per_example(
+                    tf.stack([tf.cast(s, tf.int64), tf.constant(0, tf.int64)]),
+                    tf.zeros([1], tf.int32), latent_shape)[0],
+                seeds, fn_output_signature=tf.TensorSpec(latent_shape, tf.float32))
+            return from_latent(latent)
+
+        return {"serving_default": (from_latent, [tf.TensorSpec([None, *latent_shape],
+                                                                tf.float32, name="latent")]),
+                "generate_from_seed": (from_seed, [tf.TensorSpec([None], tf.int32,
+                                                                 name="seeds")])}
+
+    def report_generated(self, model: keras.Model, output_stem: str, count: int,
+                         seed: int) -> list[str]:
+        images = self.generate(model, count, seed)
+        columns = int(np.ceil(np.sqrt(count)))
+        rows = int(np.ceil(count / columns))
+        height, width, channels = images.shape[1:]
+        grid = np.zeros((rows * height, columns * width, channels), np.uint8)
+        for i, image in enumerate(images):
+            r, c = divmod(i, columns)
+            grid[r * height:(r + 1) * height, c * width:(c + 1) * width] = image
+        path = f"{output_stem}.png"
+        figures.write_png(path, grid)
+        return [f"  {count} generated images ({width}x{height}, {rows}x{columns} grid): "
+                f"{path}"]
+
+    def sample_predictions(self, model: keras.Model, samples: dict) -> dict:
+        return {**samples, "generated": self.generate(
+            model, len(samples["image"]) * self.tiles_per_sample)}
+
+    def draw_samples(self, figure, samples: dict) -> None:
+        images = samples["generated"]
+        figures.image_grid(figure, images, [""] * len(images), columns=10)
+
+    def report(self, served, title, image, example, output_stem, top=5) -> list[str]:
+        raise ConfigError("a gan run generates its images: predict takes no image")
+
+
 @base.register
 class Gan(base.Task):
     name = "gan"
@@ -84,9 +149,8 @@ class Gan(base.Task):
     batch_keys = ("image",)
     model_outputs = (models.GENERATOR,)
     step_settings = ()  # its two updates carry out none of the default step's settings
-    serves_images = False
-    tiles_per_sample = 2  # generated images shown per eval sample
-    best_metric, higher_is_better, curve_metric = "loss", False, "loss"
+    best = base.Best("loss")
+    presenter = GanPresenter
     recipe = dict(model="dcgan", dataset="cifar10", batch_size=128, optimizer="adam",
                   learning_rate=2e-4, optimizer_options="beta_1=0.5",
                   lr_schedule="constant", warmup_epochs=0.0, epochs=20, augment="flip")
@@ -94,13 +158,7 @@ class Gan(base.Task):
     def __init__(self, settings, spec, input_shape):
         super().__init__(settings, spec, input_shape)
         if settings.fid_classifier_dir:  # the distance picks the best weights
-            self.best_metric = self.curve_metric = "fid"
-
-    def num_classes(self) -> None:
-        return None
-
-    def expected_output_shape(self) -> tuple[int, ...]:
-        return tuple(self.input_shape)
+            self.best = base.Best("fid")
 
     # --- the state and the step ------------------------------------------------------
 
@@ -240,63 +298,3 @@ class Gan(base.Task):
         image, and once more forward and backward for the generator's update."""
         return (3.0 * forward(state.models["main"])
                 + 9.0 * forward(state.models["discriminator"]))
-
-    # --- outside the step --------------------------------------------------------------
-
-    def generate(self, model: keras.Model, count: int, seed: int = 0) -> np.ndarray:
-        """`count` uint8 images from fixed latent vectors (eager)."""
-        latent = randomness.fixed_per_example(
-            randomness.fixed_seed(seed, EVAL_LATENTS), tf.range(count),
-            model.inputs[0].shape[1:])
-        return self.serve(model(latent, training=False))["image"].numpy()
-
-    def serve(self, generated) -> dict[str, tf.Tensor]:
-        pixels = (tf.cast(generated, tf.float32) + 1.0) * 127.5
-        return {"image": tf.cast(tf.clip_by_value(tf.round(pixels), 0, 255), tf.uint8)}
-
-    def export_functions(self, model: keras.Model, image_functions: dict) -> dict:
-        """serving_default(latent: float32 [N, latent_dim]) and
-        generate_from_seed(seeds: int32 [N]) -> {"image": uint8 [N, H, W, C]}."""
-        latent_shape = model.inputs[0].shape[1:]
-
-        def from_latent(latent):
-            return self.serve(model(latent, training=False))
-
-        def from_seed(seeds):
-            latent = tf.map_fn(
-                lambda s: randomness.fixed_per_example(
-                    tf.stack([tf.cast(s, tf.int64), tf.constant(0, tf.int64)]),
-                    tf.zeros([1], tf.int32), latent_shape)[0],
-                seeds, fn_output_signature=tf.TensorSpec(latent_shape, tf.float32))
-            return from_latent(latent)
-
-        return {"serving_default": (from_latent, [tf.TensorSpec([None, *latent_shape],
-                                                                tf.float32, name="latent")]),
-                "generate_from_seed": (from_seed, [tf.TensorSpec([None], tf.int32,
-                                                                 name="seeds")])}
-
-    def report_generated(self, model: keras.Model, output_stem: str, count: int,
-                         seed: int) -> list[str]:
-        images = self.generate(model, count, seed)
-        columns = int(np.ceil(np.sqrt(count)))
-        rows = int(np.ceil(count / columns))
-        height, width, channels = images.shape[1:]
-        grid = np.zeros((rows * height, columns * width, channels), np.uint8)
-        for i, image in enumerate(images):
-            r, c = divmod(i, columns)
-            grid[r * height:(r + 1) * height, c * width:(c + 1) * width] = image
-        path = f"{output_stem}.png"
-        figures.write_png(path, grid)
-        return [f"  {count} generated images ({width}x{height}, {rows}x{columns} grid): "
-                f"{path}"]
-
-    def sample_predictions(self, model: keras.Model, samples: dict) -> dict:
-        return {**samples, "generated": self.generate(
-            model, len(samples["image"]) * self.tiles_per_sample)}
-
-    def draw_samples(self, figure, samples: dict) -> None:
-        images = samples["generated"]
-        figures.image_grid(figure, images, [""] * len(images), columns=10)
-
-    def report(self, served, title, image, example, output_stem, top=5) -> list[str]:
-        raise ConfigError("a gan run generates its images: predict takes no image")

@@ -89,13 +89,30 @@ def nt_xent(z1: tf.Tensor, z2: tf.Tensor, all_z1: tf.Tensor, all_z2: tf.Tensor,
     return (loss[:b] + loss[b:]) / 2, tf.cast(hit, loss.dtype)
 
 
+class SimCLRPresenter(base.Presenter):
+    """The features (and their unit-length copy) when serving; predict prints
+    their first values."""
+
+    def serve(self, features) -> dict[str, tf.Tensor]:
+        features = tf.cast(features, tf.float32)
+        return {"features": features, "unit_features": _unit(features)}
+
+    def report(self, served: dict, title: str, image: np.ndarray, example: dict | None,
+               output_stem: str, top: int = 5) -> list[str]:
+        features = served["features"]
+        shown = ", ".join(f"{v:.3f}" for v in features[:top])
+        return [title, f"  features ({features.shape[0]} values, norm "
+                       f"{np.linalg.norm(features):.3f}): {shown}, ..."]
+
+
 @base.register
 class SimCLR(base.Task):
     name = "simclr"
     Settings = Settings
     batch_keys = ("view_1", "view_2")
     model_outputs = (models.LOGITS, models.HEADS)  # a classifier as the backbone
-    best_metric, higher_is_better, curve_metric = "knn_accuracy", True, "knn_accuracy"
+    best = base.Best("knn_accuracy", higher_is_better=True)
+    presenter = SimCLRPresenter
     recipe = dict(model="resnet", dataset="cifar10", batch_size=512, optimizer="adamw",
                   learning_rate=2e-3, weight_decay=1e-4, lr_schedule="cosine",
                   warmup_epochs=1.0, epochs=20, eval_batch_size=1000)
@@ -195,20 +212,10 @@ class SimCLR(base.Task):
         return {"loss": (tf.reduce_sum(-tf.math.log(true_vote + 1e-8) * weights), count),
                 "knn_accuracy": (tf.reduce_sum(right * weights), count)}
 
-    # --- outside the step ------------------------------------------------------------
+    # --- what serving reads (its presenter above), the float ops of the log lines -----
 
     def predict(self, model: keras.Model, images: tf.Tensor):
         return model(images, training=False)["features"]
-
-    def serve(self, features) -> dict[str, tf.Tensor]:
-        features = tf.cast(features, tf.float32)
-        return {"features": features, "unit_features": _unit(features)}
-
-    def report(self, served, title, image, example, output_stem, top=5) -> list[str]:
-        features = served["features"]
-        shown = ", ".join(f"{v:.3f}" for v in features[:top])
-        return [title, f"  features ({features.shape[0]} values, norm "
-                       f"{np.linalg.norm(features):.3f}): {shown}, ..."]
 
     def training_flops(self, state, forward, options) -> float:
         """Two views of each image, each forward and backward (3x the forward)."""

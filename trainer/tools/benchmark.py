@@ -34,7 +34,7 @@ from data import files, sources  # noqa: E402
 import models  # noqa: E402
 from trainer import build, distributed, inputs  # noqa: E402
 from trainer.flops import peak_flops, training_flops_per_image  # noqa: E402
-from trainer.config import Config  # noqa: E402
+from trainer.config import Config, ModelSettings  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -81,14 +81,15 @@ class Runner:
         self.waited = 0.0  # seconds the timed steps waited for their input
         if case.runner == "input":  # how fast the streaming pipeline alone can feed
             _, train_examples = sources.load(spec, spec.train_split, args.data_dir)
-            mode, record_files, _ = inputs.choose_mode(config, spec, train_examples)
+            data = build.run_data(config, spec)
+            mode, record_files, _ = inputs.choose_mode(data, train_examples)
             self.iterator = iter(inputs.train_input_fn(
-                config, spec, train_examples, mode=mode, files=record_files)(
+                data, train_examples, mode=mode, files=record_files)(
                     tf.distribute.InputContext()))
         elif case.runner == "fit":
             with strategy.scope():
                 task = build.make_task(config, spec)
-                self.model = build.build_model(config, spec, task)
+                self.model = build.build_model(config.group(ModelSettings), shape, task)
                 self.model.compile(optimizer=keras.optimizers.Adam(1e-3),
                                    jit_compile=case.jit,
                                    loss=keras.losses.SparseCategoricalCrossentropy(
@@ -100,9 +101,10 @@ class Runner:
             self.loop = distributed.make_train_loop(strategy, run.train_step, case.jit)
             if case.data in ("pipeline", "stream"):  # exactly what trainer.main trains on
                 _, train_examples = sources.load(spec, spec.train_split, args.data_dir)
-                mode, record_files, _ = inputs.choose_mode(config, spec, train_examples)
+                data = build.run_data(config, spec)
+                mode, record_files, _ = inputs.choose_mode(data, train_examples)
                 dataset = strategy.distribute_datasets_from_function(
-                    inputs.train_input_fn(config, spec, train_examples, mode=mode,
+                    inputs.train_input_fn(data, train_examples, mode=mode,
                                           files=record_files))
             else:
                 dataset = strategy.experimental_distribute_dataset(
@@ -197,7 +199,8 @@ def measure(args) -> dict:
     config = Config(model=args.model, model_size=args.model_size, dataset=args.dataset,
                     image_size=shape[0])
     flops = training_flops_per_image(
-        lambda: build.build_model(config, spec, build.make_task(config, spec)), shape)
+        lambda: build.build_model(config.group(ModelSettings), shape,
+                                  build.make_task(config, spec)), shape)
     peaks = {p: peak_flops(p, args.peak_size)
              for p in {precision, "float32", "mixed_bfloat16"}}
     rows = []

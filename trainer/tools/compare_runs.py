@@ -28,7 +28,7 @@ from absl import flags  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from data import files  # noqa: E402
-from trainer import checkpoints  # noqa: E402
+from trainer import checkpoints, run_settings  # noqa: E402
 from trainer.output import figures  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def load(run_dir: str) -> dict:
     if not settings and tf.io.gfile.exists(config_path):
         with tf.io.gfile.GFile(config_path) as f:
             settings = json.load(f)
-    metrics["settings"] = checkpoints.comparable_settings(settings) if settings else {}
+    metrics["settings"] = run_settings.comparable_settings(settings) if settings else {}
     return metrics
 
 
