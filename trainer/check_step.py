@@ -69,7 +69,6 @@ def define_flags() -> None:
 # the built-in models, tasks and step settings (docs/changing-the-step.md); the
 # smallest difference a planted bug made is 2.3e-3. The tolerance sits between them.
 TOLERANCE = 1e-7
-COUNTER = "forward_passes"  # the batch-norm pass counter check_step adds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +121,7 @@ class CountingBatchNormalization(keras.layers.BatchNormalization):
     def build(self, input_shape):
         super().build(input_shape)
         self.forward_passes = self.add_weight(shape=(), initializer="zeros",
-                                              trainable=False, name=COUNTER,
+                                              trainable=False, name="forward_passes",
                                               dtype="float64", autocast=False)
 
     def call(self, inputs, training=None, mask=None):
@@ -131,9 +130,22 @@ class CountingBatchNormalization(keras.layers.BatchNormalization):
         return super().call(inputs, training=training, mask=mask)
 
 
+def pass_counters(model: keras.Model) -> dict[int, str]:
+    """id(variable) -> layer name of the pass counters of `model`'s counting
+    batch-norm layers (nested models' too): check_step's own variables, found by
+    their layer, not by their name."""
+    found = {}
+    for layer in getattr(model, "layers", []):
+        if isinstance(layer, CountingBatchNormalization):
+            found[id(layer.forward_passes)] = layer.name
+        found.update(pass_counters(layer))
+    return found
+
+
 def _copy_weights(source: keras.Model, target: keras.Model) -> None:
     """`source`'s weights into its clone `target` (whose counters stay 0)."""
-    weights = [w for w in target.weights if not w.path.endswith(COUNTER)]
+    counters = pass_counters(target)
+    weights = [w for w in target.weights if id(w) not in counters]
     for variable, value in zip(weights, source.get_weights()):
         variable.assign(tf.cast(value, variable.dtype))
 
@@ -216,10 +228,12 @@ class _Trial:
         state = self.run.state
         # Everything the state holds (with the random generators' state), and of it
         # what is compared (the batch-norm pass counters are check_step's own).
+        counters = {key: name for model in state.models.values()
+                    for key, name in pass_counters(model).items()}
         self.compared = [(name, v) for name, v in state.compared_variables()
-                         if not name.endswith(COUNTER)]
-        self.counters = [(name.rsplit("/", 2)[-2], v) for name, v in
-                         state.compared_variables() if name.endswith(COUNTER)]
+                         if id(v) not in counters]
+        self.counters = [(counters[id(v)], v) for _, v in state.compared_variables()
+                         if id(v) in counters]
         self.variables = ([v for _, v in self.compared] + [v for _, v in self.counters]
                           + state.random_variables())  # (the compared ones first)
         dataset = tf.data.Dataset.from_tensor_slices(data).batch(config.batch_size)

@@ -7,13 +7,15 @@ resume may change it): `StepSettings` (trainer/step.py), `OptimizerSettings`
 (trainer/optimizers.py), `ScheduleSettings` (trainer/schedules.py), `DataSettings`
 (trainer/inputs.py), `DeviceSettings` (trainer/strategy.py), and below those of the
 model, the loop and the run directory (read by trainer/build.py, trainer/loop.py
-and trainer/checkpoints.py, which import this module). `Config` has every group's
+and trainer/run_dir.py, which import this module). `Config` has every group's
 fields, flat: one flag each, under its own name; `config.group(StepSettings)` is
 what a reader of that group takes. A new setting is one field in its group and
 its use. The run's task has settings of its own, declared in its file
 (trainer/tasks/), made into flags the same way and kept in `Config.task_settings`.
-Commands parse the flags in their own `main` and call `resolve`; library code
-below takes this object, a group, or plain values.
+This module imports no registry (of tasks, callbacks, recipes): what needs them,
+resolving a command line under the recipes and validating it, is
+trainer/run_settings.py. Commands parse the flags in their own `main`
+(trainer/run_flags.py); library code takes this object, a group, or plain values.
 """
 import dataclasses
 import os
@@ -174,7 +176,7 @@ class Config(RunSettings, LoopSettings, strategy.DeviceSettings, step.StepSettin
 _FIELDS = tuple(f for f in dataclasses.fields(Config) if f.name != "task_settings")
 FLAG_FIELDS = tuple(f.name for f in _FIELDS)
 
-# What a start may change in a run directory (trainer/checkpoints.py): how long it
+# What a start may change in a run directory (trainer/run_dir.py): how long it
 # trains, how often it logs, evaluates and saves, where its files are and on which
 # devices it runs (the replicas change the rounding, not the arithmetic: check_step).
 # Each field says so itself (`resume=True`).

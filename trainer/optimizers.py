@@ -238,32 +238,28 @@ def create(settings: OptimizerSettings | str, learning_rate, variables,
     """
     if isinstance(settings, str):
         settings = OptimizerSettings(optimizer=settings, **fields)
-    name, weight_decay, decay_vectors = (settings.optimizer, settings.weight_decay,
-                                         settings.decay_vectors)
-    ema_decay, momentum = settings.ema_decay, settings.momentum
-    options_text, freeze_text = settings.optimizer_options, settings.freeze_after_epochs
-    lr_multipliers_text = settings.lr_multipliers
+    name, weight_decay = settings.optimizer, settings.weight_decay
     classes = keras_optimizers()
     if name not in classes:
         raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(names())}")
-    arguments = dict(use_ema=ema_decay > 0, ema_momentum=ema_decay)
+    arguments = dict(use_ema=settings.ema_decay > 0, ema_momentum=settings.ema_decay)
     if name == "adamw":  # its own default decay (0.004) would apply at --weight_decay=0
         arguments["weight_decay"] = weight_decay
     elif "weight_decay" in inspect.signature(classes[name].__init__).parameters:
         arguments["weight_decay"] = weight_decay or None
     if name == "sgd":
-        arguments.update(momentum=momentum, nesterov=True)
-    arguments.update(parse_options(name, options_text))
+        arguments.update(momentum=settings.momentum, nesterov=True)
+    arguments.update(parse_options(name, settings.optimizer_options))
     optimizer = summed(classes[name])(learning_rate, **arguments)
-    if lr_multipliers_text:
+    if settings.lr_multipliers:
         optimizer.set_lr_multipliers(
-            lr_multipliers(variables, parse_lr_multipliers(lr_multipliers_text)))
+            lr_multipliers(variables, parse_lr_multipliers(settings.lr_multipliers)))
     undecayed = ([v for v in variables if len(v.shape) <= 1]
-                 if weight_decay and not decay_vectors else [])
-    if freeze_text:
-        epochs = per_variable(variables, parse_patterns(freeze_text, "--freeze_after_epochs",
-                                                        "EPOCHS", "whiten/*=3"),
-                              None, "--freeze_after_epochs")
+                 if weight_decay and not settings.decay_vectors else [])
+    if settings.freeze_after_epochs:
+        epochs = per_variable(variables, parse_patterns(
+            settings.freeze_after_epochs, "--freeze_after_epochs", "EPOCHS", "whiten/*=3"),
+            None, "--freeze_after_epochs")
         steps = [None if e is None else round(e * steps_per_epoch) for e in epochs]
         decayed = [bool(optimizer.weight_decay) and s is not None
                    and not any(v is u for u in undecayed) for v, s in zip(variables, steps)]
