@@ -297,7 +297,7 @@ def plain_and_compiled_states(config, batch: dict, steps: int = 2) -> list[list]
     for jit in (False, True):
         tf.keras.utils.set_random_seed(0)
         run = build.build_run(config, spec, plan, strategy)
-        train_loop = distributed.make_train_loop(strategy, run.train_step, jit,
+        train_loop = distributed.make_train_loop(strategy, run.train_steps, jit,
                                                  state=run.state)
         dataset = tf.data.Dataset.from_tensors(batch).repeat()
         train_loop(iter(strategy.experimental_distribute_dataset(dataset)),

@@ -13,7 +13,7 @@ import tensorflow as tf
 from conftest import CPUS, example_task, plain_and_compiled_states, stopped_then_resumed
 from test_check_step import _teacher_run
 from trainer import check_step, checkpoints, loop, randomness, step
-from trainer.tasks import gan, simclr
+from trainer.tasks import gan, simclr, wgan_gp
 
 
 @pytest.fixture(scope="session")
@@ -87,6 +87,77 @@ def test_gan_passes_the_check_and_a_discriminator_loss_per_replica_fails(
     result, report = _check(_gan(tiny_config))
     assert not result.passed, report
     assert result.metrics["grad_norm"][1] > 1.9 * result.metrics["grad_norm"][0]
+
+
+# --- wgan_gp: two steps on a schedule ----------------------------------------------
+
+def _wgan(tiny_config, classifier: str = "", **changes):
+    return tiny_config.replace(task="wgan_gp", model="dcgan", optimizer="adam",
+                               learning_rate=1e-4, optimizer_options="beta_1=0.0,beta_2=0.9",
+                               **changes).with_settings(fid_classifier_dir=classifier,
+                                                        critic_steps=2)
+
+
+@pytest.mark.long(45)  # seconds, with -n 2
+def test_wgan_gp_on_two_replicas_follows_its_schedule_and_resumes_bitwise_mid_cycle(
+        tiny_config, classifier_dir, tmp_path, monkeypatch):
+    """2 critic steps, 1 generator step, repeated, over 4 steps on 2 replicas: the
+    critic's optimizer made 3 updates, the generator's 1 (their own iterations);
+    stopped at step 2 (mid-cycle) and resumed, the whole state is bitwise that of
+    the run straight through; the generator is served."""
+    from trainer.serving import export
+    config = _wgan(tiny_config, classifier_dir, cpu_replicas=2, deterministic=True)
+    metrics = loop.train_and_evaluate(config)
+    assert metrics["steps"] == 4 and metrics["best_metric"] == "test_fid"
+    assert np.isfinite(metrics["test_fid"]) and metrics["test_fid"] > 0
+    resumed = stopped_then_resumed(config.replace(model_dir=config.model_dir + "_2"),
+                                   monkeypatch, at_step=4)
+    assert resumed["resumed_from_step"] == 2
+    assert resumed["state_sha256"] == metrics["state_sha256"]
+    assert resumed["weights_sha256"] == metrics["weights_sha256"]
+    # Each optimizer's own count: its real updates (read back from the checkpoint).
+    saved = tf.train.load_checkpoint(tf.train.latest_checkpoint(config.model_dir))
+    iterations = {key.split("/")[0]: int(saved.get_tensor(key))
+                  for key in saved.get_variable_to_shape_map()
+                  if key.startswith("optimizer") and "/_iterations/" in key}
+    assert iterations == {"optimizer": 1, "optimizer_discriminator": 3}, iterations
+    exported = tf.saved_model.load(export.export(config.model_dir,
+                                                 str(tmp_path / "generator")))
+    latent = exported.signatures["serving_default"](latent=tf.zeros([2, 16]))["image"]
+    assert latent.shape == (2, 32, 32, 3) and latent.dtype == tf.uint8
+
+
+@pytest.mark.long(40)  # seconds, with -n 2
+def test_wgan_gp_passes_the_check_over_a_cycle_and_its_planted_bugs_fail(
+        tiny_config, monkeypatch):
+    result, report = _check(_wgan(tiny_config))
+    assert result.passed, report
+    assert "3 steps" in result.heading and "critic x2, generator x1" in result.heading
+    assert {"critic_loss", "generator_loss", "gradient_penalty"} <= set(result.metrics)
+
+    def batch_slope(critic, images):
+        # The bug: one norm of the whole (replica's) batch's gradient, not each
+        # example's: it depends on how the batch is split.
+        with tf.GradientTape() as tape:
+            tape.watch(images)
+            scores = tf.reduce_sum(critic(images, training=True))
+        norm = tf.norm(tape.gradient(scores, images))
+        return tf.fill(tf.shape(images)[:1], norm)
+
+    monkeypatch.setattr(wgan_gp, "slope_norms", batch_slope)
+    result, report = _check(_wgan(tiny_config))
+    assert not result.passed and "gradient_penalty" in report, report
+    monkeypatch.undo()
+
+    def stateful_mix(state, batch, name, shape=(), minval=0.0, maxval=1.0,
+                     dtype=tf.float32):
+        # The bug: the interpolation drawn by a stateful op (other numbers on
+        # each replica and after a resume).
+        return tf.random.uniform([tf.shape(batch["index"])[0], *shape], dtype=dtype)
+
+    monkeypatch.setattr(randomness, "per_example_uniform", stateful_mix)
+    result, report = _check(_wgan(tiny_config))
+    assert not result.passed and result.stateful_ops, report
 
 
 def test_the_frechet_distance_of_two_gaussians():

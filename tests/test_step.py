@@ -342,7 +342,7 @@ def test_a_non_finite_first_gradient_is_skipped_without_touching_the_weights():
     bad["image"] = tf.tensor_scatter_nd_update(bad["image"], [[0, 0, 0, 0]], [np.nan])
     trained, optimizer, metrics = _train(mirrored(), batches=[bad], sam_rho=0.05,
                                          model_fn=_bn_model)
-    assert metrics["skipped"] == 1 and int(optimizer.iterations.numpy()) == 1
+    assert metrics["skipped"] == 1 and int(optimizer.iterations.numpy()) == 0
     for a, b in zip(_bn_model().get_weights(), trained.get_weights()):
         np.testing.assert_array_equal(a, b)  # weights and statistics, no NaN
 
@@ -452,7 +452,7 @@ def test_every_replica_holds_the_same_batch_norm_statistics_after_a_step(tiny_co
     images = tf.random.stateless_normal([16, 32, 32, 3], (1, 2))  # two different halves
     batch = {"image": images, "label": tf.range(16, dtype=tf.int32) % 10,
              "index": tf.range(16, dtype=tf.int32)}
-    train_loop = distributed.make_train_loop(strategy, run.train_step, state=run.state)
+    train_loop = distributed.make_train_loop(strategy, run.train_steps, state=run.state)
     dataset = tf.data.Dataset.from_tensors(batch).repeat()
     train_loop(iter(strategy.experimental_distribute_dataset(dataset)), tf.constant(2),
                tf.constant(0.0))
@@ -460,3 +460,120 @@ def test_every_replica_holds_the_same_batch_norm_statistics_after_a_step(tiny_co
         copies = [c.numpy() for c in strategy.experimental_local_results(variable.value)]
         assert not np.array_equal(copies[0], old), variable.path  # they moved
         np.testing.assert_array_equal(copies[0], copies[1], err_msg=variable.path)
+
+
+# --- steps on a schedule (Task.train_steps, step.Steps) --------------------------------
+
+def test_a_schedule_names_its_step_from_the_step_counter_alone():
+    cycle = step.Steps((("critic", None, 5), ("generator", None, 1)))
+    assert [cycle.name_at(t) for t in range(13)] == (["critic"] * 5 + ["generator"]) * 2 + [
+        "critic"]
+    assert [int(cycle.index_at(tf.constant(t, tf.int64))) for t in range(7)] == [
+        0, 0, 0, 0, 0, 1, 0]
+    phases = step.Steps((("head", None, 4), ("whole", None, 0)), repeat=False)
+    assert [phases.name_at(t) for t in (0, 3, 4, 10_000)] == ["head", "head", "whole",
+                                                              "whole"]
+    assert phases.cycle == 4 and cycle.describe() == "critic x5, generator x1, repeated"
+    for bad in ((("a", None, 0),), (("a", None, 1), ("a", None, 1))):
+        with pytest.raises(ValueError):
+            step.Steps(bad)
+    with pytest.raises(ValueError, match="the last 0"):
+        step.Steps((("head", None, 4), ("whole", None, 3)), repeat=False)
+
+
+def _two_models_two_optimizers(strategy):
+    with strategy.scope():
+        first, second = _no_bn_model(seed=3), _no_bn_model(seed=4)
+        state = state_lib.TrainState(
+            {"main": first, "other": second},
+            {"main": optimizers.create("adam", 0.01, first.trainable_variables),
+             "other": optimizers.create("adam", 0.01, second.trainable_variables)},
+            state_lib.new_step_counter(), seed=0)
+    return state
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_scheduled_steps_run_only_their_own_update_and_each_optimizer_counts_its_own(
+        replicas):
+    """3 steps of "main", then 1 of "other", repeated, over 10 steps in loops of 4
+    and 6: "main" is updated 8 times, "other" 2; each optimizer's iterations are
+    its real updates (Adam's bias correction), the step counter 10; each metric
+    is the mean over the steps that returned it; the result is that of the same
+    updates done by hand in that order."""
+    strategy = mirrored() if replicas == 2 else _one_device()
+    state = _two_models_two_optimizers(strategy)
+    options = step.StepOptions(batch_size=8)
+
+    def update(name):
+        def train(state_, batch, options_):
+            model = state_.models[name]
+            objective = step.Objective(
+                lambda b: (tf.reduce_sum(tf.square(model(b["image"], training=True)), -1),
+                           {}), model.trainable_variables, (model,),
+                state_.optimizers[name])
+            gradients, sums = step.summed_gradients(objective, batch, options_)
+            step.apply_or_skip(objective.optimizer, gradients, objective.variables, True)
+            return {f"{name}_loss": sums["loss"], "count": step.per_step(1.0)}
+        return train
+
+    schedule = step.Steps((("main", update("main"), 3), ("other", update("other"), 1)))
+    loop = distributed.make_train_loop(
+        strategy, schedule.bound(lambda fn: lambda batch: fn(state, batch, options)),
+        state=state)
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensors(_batch()).repeat())
+    iterator = iter(dataset)
+    first, _ = loop(iterator, tf.constant(4), tf.constant(0.0))
+    second, _ = loop(iterator, tf.constant(6), tf.constant(0.0))
+    assert int(state.step.numpy()) == 10
+    assert int(state.optimizers["main"].iterations.numpy()) == 8
+    assert int(state.optimizers["other"].iterations.numpy()) == 2
+    # Each metric's weight counts the steps (or examples) that returned it.
+    assert float(first["main_loss"][1]) == 3 * 8 and float(first["other_loss"][1]) == 8
+    assert float(second["main_loss"][1]) == 5 * 8 and float(second["other_loss"][1]) == 8
+    # (a per-step value weighs 1 on each replica)
+    assert float(first["count"][1]) == 4 * replicas
+    assert float(second["count"][1]) == 6 * replicas
+
+    # The same 10 updates by hand, in the schedule's order, on one device.
+    reference = _two_models_two_optimizers(_one_device())
+    by_hand = {name: distributed.make_train_loop(
+        _one_device(), lambda batch, fn=update(name): fn(reference, batch, options))
+        for name in ("main", "other")}
+    hand_iterator = iter(tf.data.Dataset.from_tensors(_batch()).repeat())
+    for t in range(10):
+        by_hand[schedule.name_at(t)](hand_iterator, tf.constant(1), tf.constant(0.0))
+    for name in ("main", "other"):
+        for a, b in zip(reference.models[name].get_weights(),
+                        state.models[name].get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_held_back_update_does_not_advance_its_optimizers_iterations():
+    """apply_or_skip(..., apply=False): no update, and the optimizer's own count
+    stays that of its real updates (10 calls, 2 applied: 2), so Adam's bias
+    correction is that of 2 updates: the weights equal those of 2 plain updates."""
+    strategy = _one_device()
+    with strategy.scope():
+        held, plain = _no_bn_model(), _no_bn_model()
+        held_optimizer = optimizers.create("adam", 0.01, held.trainable_variables)
+        plain_optimizer = optimizers.create("adam", 0.01, plain.trainable_variables)
+    gradients = [tf.ones_like(v) for v in held.trainable_variables]
+
+    @tf.function
+    def held_back(apply):
+        strategy.run(lambda: step.apply_or_skip(held_optimizer, gradients,
+                                                held.trainable_variables, apply))
+
+    @tf.function
+    def applied():
+        strategy.run(lambda: step.apply_or_skip(plain_optimizer, gradients,
+                                                plain.trainable_variables, True))
+
+    for call in range(10):
+        held_back(tf.constant(call % 5 == 4))
+    applied()
+    applied()
+    assert int(held_optimizer.iterations.numpy()) == 2
+    for a, b in zip(held.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)

@@ -123,7 +123,9 @@ def lookahead_decay(step: tf.Tensor, every: int, decay_per_step: float,
 
 def lookahead_step(optimizer: keras.optimizers.Optimizer, every: int,
                    decay_per_step: float, total_steps: int) -> None:
-    """After the update of step t = optimizer.iterations, in a replica context:
+    """After the update of the run's step t (counted from 1: the run's step counter,
+    which the wrapper advances after the step, plus one; without one, the
+    optimizer's own update count), in a replica context:
     every `every` steps, slow <- slow + (1 - decay) (fast - slow), and the fast
     weights jump to it; at the last step they take the slow weights (as airbench).
     Each replica pulls its own copies, no all-reduce: the weights are equal on all
@@ -132,7 +134,8 @@ def lookahead_step(optimizer: keras.optimizers.Optimizer, every: int,
         raise ConfigError("lookahead needs the run's total_steps (the decay grows as "
                          "(step / total_steps)^3); StepOptions.total_steps is 0")
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    step = inner.iterations
+    run_step = getattr(inner, "_run_step", None)  # (optimizers.create sets it)
+    step = run_step.value + 1 if run_step is not None else inner.iterations
     on_schedule = tf.equal(step % every, 0)
     due = tf.logical_or(on_schedule, step >= total_steps)
     decay = tf.where(on_schedule, lookahead_decay(step, every, decay_per_step,

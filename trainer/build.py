@@ -180,7 +180,7 @@ TRAIN, EVALUATE, SERVE = "train", "evaluate", "serve"
 def check_step_settings(task: tasks.Task, options: step.StepOptions) -> None:
     """ConfigError if the run sets a step setting the task's own step does not
     carry out (its `step_settings`): it would be silently ignored."""
-    if type(task).train_step is tasks.Task.train_step:
+    if not tasks.has_own_step(task):
         return  # the default step: all of them
     defaults = step.StepOptions(batch_size=options.batch_size)
     for name in step.SETTINGS:
@@ -345,8 +345,14 @@ class Run:
     schedule: schedules.WarmupSchedule | None
     step_options: step.StepOptions | None
 
-    def train_step(self, batch: dict) -> dict:
-        return self.task.train_step(self.state, batch, self.step_options)
+    @property
+    def train_steps(self) -> step.Steps:
+        """The task's training step(s) on this run's state and options, each a
+        per-replica fn(batch), and when each runs: what the distribution wrapper
+        (distributed.make_train_loop) runs."""
+        def bind(train_step):
+            return lambda batch: train_step(self.state, batch, self.step_options)
+        return self.task.train_steps(self.plan).bound(bind)
 
     def eval_step(self, batch: dict) -> dict:
         return self.task.eval_step(self.state, batch)

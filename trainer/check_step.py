@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from trainer import build, config as config_lib, distributed, inputs  # noqa: E402
-from trainer import randomness, run_flags  # noqa: E402
+from trainer import randomness, run_flags, step as step_lib  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
 from trainer.settings import message_of  # noqa: E402
 
@@ -60,7 +60,9 @@ def define_flags() -> None:
     run_flags.define_flags(FLAGS)
     if "check_steps" in FLAGS:
         return
-    flags.DEFINE_integer("check_steps", 3, "Training steps to compare.")
+    flags.DEFINE_integer("check_steps", 0, "Training steps to compare (0: 3, or the "
+                         "task's schedule of steps: one whole cycle, at least 3).",
+                         lower_bound=0)
     flags.DEFINE_float("tolerance", TOLERANCE, "Largest relative difference that passes, "
                        "of the weights' updates and of each metric.")
 
@@ -239,7 +241,7 @@ class _Trial:
         dataset = tf.data.Dataset.from_tensor_slices(data).batch(config.batch_size)
         self.dataset = strategy.experimental_distribute_dataset(
             dataset.with_options(_no_autoshard()))
-        self.loop = distributed.make_train_loop(strategy, self.run.train_step,
+        self.loop = distributed.make_train_loop(strategy, self.run.train_steps,
                                                 state=state)
 
     def snapshot(self) -> list[np.ndarray]:
@@ -306,19 +308,27 @@ def _apart(names, initial, first, second) -> tuple[float, tuple[str, float]]:
     return float(total), worst
 
 
-def run_check(config: config_lib.Config, num_steps: int = 3,
+def default_steps(steps: "step_lib.Steps") -> int:
+    """The steps check_step compares by default: 3, or a whole cycle of a task's
+    schedule of steps (5 critic steps and a generator step: 6)."""
+    return max(3, steps.cycle if steps.repeat else 0)
+
+
+def run_check(config: config_lib.Config, num_steps: int = 0,
               tolerance: float = TOLERANCE,
               devices: list[str] | None = None) -> CheckResult:
-    """Trains `num_steps` steps on 1 replica, on 2, and on 1 again, from the same
-    state; compares. devices: two CPU device names (default: the host CPU split
-    in two, before TF starts)."""
+    """Trains `num_steps` steps (0: default_steps) on 1 replica, on 2, and on 1
+    again, from the same state; compares. devices: two CPU device names (default:
+    the host CPU split in two, before TF starts)."""
     devices = devices or strategy_lib.split_cpu(2)
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("float32")
     spec = build.run_data(config).spec
     plan = build.plan(config, spec, num_replicas=2)
-    data = _global_batches(build.run_data(config, spec), build.make_task(config, spec),
-                           num_steps)
+    task = build.make_task(config, spec)
+    schedule = task.train_steps(plan)
+    num_steps = num_steps or default_steps(schedule)
+    data = _global_batches(build.run_data(config, spec), task, num_steps)
     try:
         one = _Trial(tf.distribute.OneDeviceStrategy(devices[0]), config, spec, plan,
                      data, num_steps)
@@ -368,7 +378,9 @@ def run_check(config: config_lib.Config, num_steps: int = 3,
         batch_norm_passes=passes, state_summary=summary,
         heading=(f"check_step: {config.model} ({config.model_size}) on {config.dataset}, "
                  f"task {config.task}, {num_steps} steps of global batch "
-                 f"{config.batch_size}: 1 replica vs 2 (MirroredStrategy on 2 CPU "
+                 f"{config.batch_size}" + (
+                     f" (its steps: {schedule.describe()})" if len(schedule.parts) > 1
+                     else "") + f": 1 replica vs 2 (MirroredStrategy on 2 CPU "
                  f"devices), float64, {batch_norm} batch-norm, dropout off"))
 
 

@@ -9,6 +9,7 @@ state's step counter after every step, whatever the step did, and checks that th
 step left every weight finite (reading them, no copy): the first step that did not
 is reported to the loop, which stops before anything is saved.
 """
+import functools
 from typing import Callable
 
 import numpy as np
@@ -109,14 +110,46 @@ def _describe(value) -> str:
     return f"a {type(value).__name__}"
 
 
-def _run_steps(strategy: tf.distribute.Strategy, replica_fn: Callable, iterator,
-               num_steps: tf.Tensor, time_input: bool = False, state=None
-               ) -> tuple[Sums, tf.Tensor, tf.Tensor]:
+def _run_steps(strategy: tf.distribute.Strategy, replica_fns: list[Callable], iterator,
+               num_steps: tf.Tensor, time_input: bool = False, state=None,
+               choose: Callable | None = None) -> tuple[Sums, tf.Tensor, tf.Tensor]:
     """`num_steps` steps; every (total, weight) summed over replicas and steps, the
     seconds the steps waited for their input (time_input, else 0), and the first
     step (its number, counted from 1) that left a weight non-finite (0: none;
-    always 0 without `state`)."""
-    step_fn = _bookkept(replica_fn, state)
+    always 0 without `state`). Several `replica_fns`: at each step the one
+    `choose(state's step counter)` names (trainer/step.py's Steps)."""
+    step_fns = [_bookkept(fn, state) for fn in replica_fns]
+
+    def summed(step_fn, batch):
+        per_replica = strategy.run(step_fn, args=(batch,))
+        # SUM over replicas: each returned totals over its own share of the batch.
+        return tf.nest.map_structure(lambda t: strategy.reduce(SUM, t, axis=None),
+                                     per_replica)
+
+    # One compiled function per step: a scheduled step runs only its own (chosen
+    # here, outside the replicas: no collective under a cond in a replica).
+    kinds = [tf.function(functools.partial(summed, fn)) for fn in step_fns]
+
+    def scheduled(batch):
+        traced = [kind.get_concrete_function(batch).structured_outputs for kind in kinds]
+        specs = {}  # every step's metrics; those a step lacks count 0 there
+        for outputs in traced:
+            for key, (total, weight) in outputs[0].items():
+                if key in specs and specs[key][0].shape != total.shape:
+                    raise StepContractError(
+                        f"metric {key!r} has shape {total.shape} in one scheduled step "
+                        f"and {specs[key][0].shape} in another; give them other names")
+                specs.setdefault(key, (total, weight))
+
+        def branch(step_fn):
+            def run():
+                totals, flags = summed(step_fn, batch)
+                return {key: totals[key] if key in totals else
+                        (tf.zeros(total.shape, total.dtype), tf.zeros(weight.shape, weight.dtype))
+                        for key, (total, weight) in specs.items()}, flags
+            return run
+        return tf.switch_case(choose(state.step.read_value()),
+                              [branch(step_fn) for step_fn in step_fns])
 
     # A function of its own, so the first step and the loop's body call one graph:
     # the step (forward, gradients, optimizer) is traced once, not twice.
@@ -133,10 +166,10 @@ def _run_steps(strategy: tf.distribute.Strategy, replica_fn: Callable, iterator,
                 waited = tf.timestamp() - asked
         else:
             batch, waited = next(iterator), tf.constant(0.0, tf.float64)
-        per_replica = strategy.run(step_fn, args=(batch,))
-        # SUM over replicas: each returned totals over its own share of the batch.
-        totals, (at, bad) = tf.nest.map_structure(
-            lambda t: strategy.reduce(SUM, t, axis=None), per_replica)
+        if len(kinds) == 1:
+            totals, (at, bad) = summed(step_fns[0], batch)
+        else:
+            totals, (at, bad) = scheduled(batch)
         nonfinite_at = tf.math.divide_no_nan(at, bad)  # (the same step on every replica)
         with tf.control_dependencies(tf.nest.flatten(totals)):
             done = tf.identity(previous_done)  # ready once this step's sums are
@@ -165,9 +198,8 @@ def determinism_enabled() -> bool:
     return tf_config.is_op_determinism_enabled()
 
 
-def make_train_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
-                    jit_compile: bool = False, time_input: bool | None = None,
-                    state=None) -> Callable:
+def make_train_loop(strategy: tf.distribute.Strategy, replica_fn, jit_compile: bool = False,
+                    time_input: bool | None = None, state=None) -> Callable:
     """Returns train_loop(iterator, num_steps, stop_flag) -> (sums, stop_requested);
     sums[INPUT_WAIT] is (seconds the steps waited for their input, steps), or (0, 0)
     with time_input=False, the default under op determinism (which refuses
@@ -175,18 +207,29 @@ def make_train_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
     whose step counter advances after every step; sums[NONFINITE_AT] is then
     (the first step whose end left a weight non-finite, 0 if none; 1).
 
+    replica_fn: the per-replica step fn(batch) -> {name: (total, weight)}, or a
+    schedule of several (trainer/step.py's Steps, bound to a batch: anything with
+    `parts` and `index_at(step)`; needs `state`, whose step counter chooses).
+
     stop_flag (a float tensor, 1.0 after SIGTERM on this worker) is summed across
     workers, so a stop request on any worker reaches every worker and all of them
     stop at the same step (a worker stopping alone would hang the others).
     """
-    replica_fn = _maybe_jit(replica_fn, jit_compile)
+    if callable(replica_fn):
+        replica_fns, choose = [replica_fn], None
+    else:
+        replica_fns, choose = [fn for _, fn, _ in replica_fn.parts], replica_fn.index_at
+        if state is None and len(replica_fns) > 1:
+            raise ValueError("a schedule of steps needs the state: its step counter "
+                             "chooses the step")
+    replica_fns = [_maybe_jit(fn, jit_compile) for fn in replica_fns]
     if time_input is None:
         time_input = not determinism_enabled()
 
     @tf.function
     def train_loop(iterator, num_steps: tf.Tensor, stop_flag: tf.Tensor):
-        sums, waited, nonfinite_at = _run_steps(strategy, replica_fn, iterator,
-                                                num_steps, time_input, state)
+        sums, waited, nonfinite_at = _run_steps(strategy, replica_fns, iterator,
+                                                num_steps, time_input, state, choose)
         stop = strategy.reduce(SUM, strategy.run(lambda: tf.identity(stop_flag)),
                                axis=None)
         timed = tf.cast(num_steps if time_input else 0, tf.float64)
@@ -203,7 +246,7 @@ def make_eval_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
 
     @tf.function
     def eval_loop(iterator, num_steps: tf.Tensor) -> Sums:
-        return _run_steps(strategy, replica_fn, iterator, num_steps)[0]
+        return _run_steps(strategy, [replica_fn], iterator, num_steps)[0]
 
     return eval_loop
 

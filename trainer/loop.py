@@ -110,7 +110,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
 
     # --- The step on every replica ---------------------------------------------------
     wrap_jit = jit and runtime.device_kind != "tpu"  # a TPU compiles the whole loop
-    train_loop = distributed.make_train_loop(strategy, run.train_step, wrap_jit,
+    train_loop = distributed.make_train_loop(strategy, run.train_steps, wrap_jit,
                                              state=state)
     eval_loop = distributed.make_eval_loop(strategy, run.eval_step, wrap_jit)
     splits = evaluation.SplitMapper(strategy, data, state, cache=pipelines.in_memory)

@@ -7,9 +7,11 @@ Keras optimizer class). `--optimizer` takes every optimizer Keras ships, by its
 lower-case class name (`names()`), with its own constructor arguments settable
 through `--optimizer_options`. A plain Keras optimizer handed to `apply_or_skip`
 is refused with one line: on N replicas it would sum the summed gradient again.
-`optimizer.iterations` is the run's one step counter: the learning-rate schedule,
-the data position, checkpoints and logs all read it, and a skipped update still
-advances it (its batch was consumed).
+`optimizer.iterations` counts the optimizer's own updates, and nothing else: an
+update held back (a non-finite gradient, an optimizer whose step did not run at
+this step) does not advance it, so Adam's bias correction sees only real updates.
+The run's step counter is the state's (trainer/state.py): the learning-rate
+schedule, the freezes and Lookahead read that one.
 """
 import dataclasses
 import fnmatch
@@ -264,12 +266,12 @@ def create(settings: OptimizerSettings | str, learning_rate, variables,
         decayed = [bool(optimizer.weight_decay) and s is not None
                    and not any(v is u for u in undecayed) for v, s in zip(variables, steps)]
         optimizer.set_freeze_steps(steps, decayed)
-        if step_counter is not None:
-            optimizer.set_step_counter(step_counter)
         # Keras' exclusion list is one set, replaced by each call: give it everything.
         undecayed += [v for v, s in zip(variables, steps) if s is not None]
     if undecayed:
         optimizer.exclude_from_weight_decay(var_list=undecayed)
+    if step_counter is not None:  # (what the freezes and Lookahead read)
+        optimizer.set_step_counter(step_counter)
     if precision == "mixed_float16":
         # float16 gradients underflow: the loss is scaled up, the summed gradients
         # unscaled (`unscale`), and the scale adapts (`apply_or_skip`).
@@ -300,10 +302,12 @@ def apply_or_skip(optimizer: keras.optimizers.Optimizer, gradients: list, variab
                   apply: tf.Tensor) -> None:
     """In a replica context: applies `gradients` (summed over replicas, unscaled) if
     `apply` (a bool that is the same on every replica), else leaves the weights and
-    optimizer state alone. Either way optimizer.iterations advances by one. Under
+    optimizer state alone. optimizer.iterations counts the updates applied only
+    (Adam's bias correction is that of the real updates). Under
     loss scaling the scale doubles after `dynamic_growth_steps` good steps and
     halves at a skipped one, as Keras' LossScaleOptimizer does.
     """
+    apply = tf.convert_to_tensor(apply, tf.bool)  # (a Python bool too)
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if not isinstance(inner, _SummedGradients):
         raise distributed.StepContractError(
@@ -321,12 +325,15 @@ def apply_or_skip(optimizer: keras.optimizers.Optimizer, gradients: list, variab
         counter.assign(tf.where(tf.logical_and(apply, tf.logical_not(grow)),
                                 counter + 1, tf.zeros_like(counter)))
 
-    def skip():
-        inner.iterations.assign_add(1)
+    def skip():  # (the weights, the slots and optimizer.iterations stay)
+        return None
+
+    def update(grads=gradients):
+        inner.apply(grads, variables)
 
     if tf.__internal__.distribute.strategy_supports_no_merge_call():
         # e.g. XLA on GPUs: no merge_call, a plain cond in the replica context.
-        tf.cond(apply, lambda: inner.apply(gradients, variables), skip)
+        tf.cond(apply, update, skip)
         update_loss_scale(apply)
         return
 
@@ -335,8 +342,7 @@ def apply_or_skip(optimizer: keras.optimizers.Optimizer, gradients: list, variab
     def cross_replica(strategy, apply, gradients):
         apply = strategy.experimental_local_results(apply)[0]
         tf.cond(apply,
-                lambda: strategy.extended.call_for_each_replica(
-                    lambda grads: inner.apply(grads, variables), args=(gradients,)),
+                lambda: strategy.extended.call_for_each_replica(update, args=(gradients,)),
                 skip)
         update_loss_scale(apply)
 

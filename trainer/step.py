@@ -111,6 +111,75 @@ class Objective:
     source: str = "the loss"  # who returned the metrics, for error lines
 
 
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """Several training steps of a task and when each runs (`Task.train_steps`).
+
+    `parts`: (name, step, count) in order; each step is per replica, like
+    `Task.train_step`: step(state, batch, options) -> {name: (total, weight)}.
+    repeat=True: the parts again and again (WGAN-GP: ("critic", ..., 5),
+    ("generator", ..., 1)); repeat=False: phases, each part once, the last (count
+    0) to the run's end (a head alone for 1,000 steps, then the whole network).
+
+    Which step runs is a pure function of the run's step counter, so a resume, a
+    loop of any length and check_step follow it. The choice is made outside the
+    replicas (one compiled step per part, one `switch_case` around them): no
+    collective under a `tf.cond` in a replica, no gradient computed and thrown
+    away. Every step consumes one batch of the stream (the data position stays
+    the step), and a metric that one step does not return counts nothing there
+    (weight 0)."""
+    parts: tuple[tuple[str, Callable, int], ...]
+    repeat: bool = True
+
+    def __post_init__(self):
+        names = [name for name, _, _ in self.parts]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"Steps needs parts with distinct names, got {names}")
+        counts = [count for _, _, count in self.parts]
+        fixed = counts if self.repeat else counts[:-1]
+        if any(not isinstance(c, int) or c < 1 for c in fixed) or (
+                not self.repeat and counts[-1] != 0):
+            raise ValueError(f"Steps {names}: each part runs a whole number of steps "
+                             f">= 1{'' if self.repeat else ', the last 0 (to the end)'}; "
+                             f"got {counts}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.parts)
+
+    @property
+    def cycle(self) -> int:
+        """Steps of one cycle (repeat) or before the last phase."""
+        return sum(count for _, _, count in self.parts)
+
+    def starts(self) -> list[int]:
+        """The step (from 0) at which each part first runs."""
+        return [sum(c for _, _, c in self.parts[:i]) for i in range(len(self.parts))]
+
+    def index_at(self, step):
+        """The part that runs at step `step` (0-based; a Python int or an int
+        tensor: the state's counter before the step)."""
+        position = step % self.cycle if self.repeat else step
+        index = 0
+        for i, start in enumerate(self.starts()[1:], 1):
+            index = (tf.where(position >= start, i, index) if tf.is_tensor(step)
+                     else (i if position >= start else index))
+        return tf.cast(index, tf.int32) if tf.is_tensor(step) else index
+
+    def name_at(self, step: int) -> str:
+        return self.parts[self.index_at(step)][0]
+
+    def bound(self, bind: Callable[[Callable], Callable]) -> "Steps":
+        """The same schedule with each step replaced by bind(step)."""
+        return Steps(tuple((name, bind(fn), count) for name, fn, count in self.parts),
+                     self.repeat)
+
+    def describe(self) -> str:
+        listed = ", ".join(f"{name} x{count}" if count else f"{name} to the end"
+                           for name, _, count in self.parts)
+        return f"{listed}{', repeated' if self.repeat else ''}"
+
+
 def per_step(value) -> Metric:
     """A metric that is one value per step, the same on every replica (computed
     after the all-reduce, like grad_norm): shown as that value, averaged over the

@@ -39,7 +39,7 @@ def sample_gradients(task: base.Task, state: TrainState, samples: dict | None
     """The gradient of the default step's objective on `samples` for each of the
     main model's trainable variables (module docstring); None where it is not the
     task's objective or the samples lack what its loss reads."""
-    if type(task).train_step is not base.Task.train_step or not samples:
+    if base.has_own_step(task) or not samples:
         return None
     keys = [key for key in task.batch_keys if key != "target"]  # (only mixed batches)
     if any(key not in samples for key in keys):
@@ -75,7 +75,7 @@ class Histograms(callbacks.Callback):
         with summaries.write_errors_explained(context.model_dir):
             self.writer = tf.summary.create_file_writer(
                 os.path.join(context.model_dir, DIRECTORY))
-        if type(context.task).train_step is not base.Task.train_step:
+        if base.has_own_step(context.task):
             logging.info("--histograms: task %s trains with a step of its own: weight "
                          "histograms only, no gradients", context.task.name)
 

@@ -11,5 +11,6 @@ optimizers), simclr (two views, contrastive).
 """
 from trainer.tasks.base import (Best, Presenter, Task, all_setting_fields,  # noqa: F401
                                 check_model, check_model_kind, get, make_settings,
-                                makes_own_batches, names, num_classes, owners, register,
+                                has_own_step, makes_own_batches, names, num_classes,
+                                owners, register,
                                 setting_fields)

@@ -44,6 +44,9 @@ The state and the step (see trainer/state.py and trainer/step.py):
   update). A step of its own composes step.py's pieces (summed_gradients,
   apply_or_skip, gradient_at_offset, per_step) and randomness.py's draws. The
   wrapper advances state.step after it.
+- `train_steps(plan)`: several steps and when each runs (step.Steps: 5 critic
+  updates then 1 generator update, repeated; a head phase, then the whole
+  network); default: `train_step` at every step.
 - `eval_step(state, batch)`: per replica; default: `predict` then `eval_metrics`
   on the output model. `before_evaluation(state, evaluator)` runs first on every
   worker (e.g. the features of the training set for a kNN classifier);
@@ -144,6 +147,14 @@ class Task:
         """One training step on one replica: trainer/step.py's supervised step."""
         return step.train_step(state, self, batch, options)
 
+    def train_steps(self, plan) -> step.Steps:
+        """Which training step runs when (trainer/step.py's Steps): by default
+        `train_step` at every step. A task with several (5 critic updates, then 1
+        generator update; a head phase, then the whole network) returns them with
+        their counts; `plan` (trainer/build.py's Plan) gives the run's
+        steps_per_epoch and total_steps for phases in epochs."""
+        return step.Steps((("train", self.train_step, 0),), repeat=False)
+
     def eval_step(self, state: TrainState, batch: dict) -> dict[str, Metric]:
         """One evaluation batch on one replica: `predict`, then `eval_metrics`."""
         return step.eval_step(state, self, batch)
@@ -238,6 +249,13 @@ def check_model(task: Task, model_name: str, model: keras.Model,
             f"{model_name} outputs shape {shape} per example, but task {task.name} "
             f"compares it with {expected}; change the model's output (or "
             f"--image_size) so they match exactly")
+
+
+def has_own_step(task: Task) -> bool:
+    """Whether `task` trains with a step of its own (`train_step` or `train_steps`
+    overridden) rather than trainer/step.py's default."""
+    return (type(task).train_step is not Task.train_step
+            or type(task).train_steps is not Task.train_steps)
 
 
 def makes_own_batches(task: Task) -> bool:

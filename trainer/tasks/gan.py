@@ -258,16 +258,11 @@ class Gan(base.Task):
             randomness.fixed_seed(state.seed, EVAL_LATENTS), batch["index"],
             generator.inputs[0].shape[1:], real.dtype)
         fake = tf.cast(self.to_model_input(generator(latent, training=False)), real.dtype)
-        real_logits = discriminator(real, training=False)
-        fake_logits = discriminator(fake, training=False)
-        loss = tf.cast(_bce_with_logits(real_logits, True)
-                       + _bce_with_logits(fake_logits, False), tf.float32)
+        metrics = self.discriminator_metrics(
+            tf.cast(tf.reshape(discriminator(real, training=False), [-1]), tf.float32),
+            tf.cast(tf.reshape(discriminator(fake, training=False), [-1]), tf.float32),
+            weights)
         count = tf.reduce_sum(weights)
-        metrics = {"loss": (tf.reduce_sum(loss * weights), count),
-                   "d_real": (tf.reduce_sum(tf.sigmoid(tf.reshape(
-                       tf.cast(real_logits, tf.float32), [-1])) * weights), count),
-                   "d_fake": (tf.reduce_sum(tf.sigmoid(tf.reshape(
-                       tf.cast(fake_logits, tf.float32), [-1])) * weights), count)}
         if "fid_classifier" in state.models:
             classifier = state.models["fid_classifier"]
             for name, images in (("real", real), ("fake", fake)):
@@ -277,6 +272,17 @@ class Gan(base.Task):
                 metrics[f"{name}_outer"] = (tf.matmul(weighted, features,
                                                       transpose_a=True), count)
         return metrics
+
+    @staticmethod
+    def discriminator_metrics(real_logits: tf.Tensor, fake_logits: tf.Tensor,
+                              weights: tf.Tensor) -> dict[str, base.Metric]:
+        """Evaluation's "loss" (the discriminator's, on the test images and as many
+        generated) and its mean verdicts, from its float32 logits [B]."""
+        loss = _bce_with_logits(real_logits, True) + _bce_with_logits(fake_logits, False)
+        count = tf.reduce_sum(weights)
+        return {"loss": (tf.reduce_sum(loss * weights), count),
+                "d_real": (tf.reduce_sum(tf.sigmoid(real_logits) * weights), count),
+                "d_fake": (tf.reduce_sum(tf.sigmoid(fake_logits) * weights), count)}
 
     def finish_evaluation(self, result: dict) -> dict:
         """The Fréchet distance from the summed features (then dropped)."""

@@ -98,7 +98,8 @@ class Runner:
         else:
             run = build.build_run(config, spec, build.plan(
                 config, spec, strategy.num_replicas_in_sync), strategy, case.precision)
-            self.loop = distributed.make_train_loop(strategy, run.train_step, case.jit)
+            self.loop = distributed.make_train_loop(strategy, run.train_steps, case.jit,
+                                                     state=run.state)
             if case.data in ("pipeline", "stream"):  # exactly what trainer.main trains on
                 _, train_examples = sources.load(spec, spec.train_split, args.data_dir)
                 data = build.run_data(config, spec)
