@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from conftest import CPUS
 import models
-from trainer import check_step, step
+from trainer import check_step, step, tasks
 from trainer.tasks import distill
 
 
@@ -134,3 +134,86 @@ def test_command_prints_pass_and_exits_0(command):
         "--clip_grad_norm=0.5", "--grad_accum_steps=2")
     assert status == 0, stdout + log[-2000:]
     assert "PASS: decided by" in stdout and "grad_norm" in stdout
+
+
+# --- what check_step sees beyond 1 vs 2 replicas (issue 45) ------------------------
+
+def _phased(tiny_config):
+    from conftest import example_task
+    example_task("phased_finetune")
+    return tiny_config.replace(task="phased_finetune", batch_size=16).with_settings(
+        head_epochs=0.01)  # (a 2-step head phase on the synthetic data)
+
+
+@pytest.mark.long(40)  # seconds, with -n 2
+def test_each_phase_is_checked_and_a_leak_into_the_frozen_backbone_fails(
+        tiny_config, monkeypatch):
+    config = _phased(tiny_config)
+    starts = check_step.phase_starts(config)
+    assert starts[0] == 0 and len(starts) == 2 and starts[1] >= 1
+    for start in starts:
+        result = check_step.run_check(config, devices=CPUS[:2], start_step=start)
+        assert result.passed, check_step.report(result)
+        assert not result.frozen_moved
+    # In the head phase only the head moved: of the model's variables, its 2.
+    head_phase = check_step.run_check(config, devices=CPUS[:2])
+    assert head_phase.moved["main"][0] == 2, head_phase.moved
+
+    def leaking_head_step(self, state, batch, options):
+        # The bug: the backbone run in training mode in the head phase: its
+        # batch-norm statistics move, though the phase declares it frozen.
+        self.features(batch["image"], training=True)
+        return original(self, state, batch, options)
+
+    task = tasks.get("phased_finetune")
+    original = task.head_step
+    monkeypatch.setattr(task, "head_step", leaking_head_step)
+    result = check_step.run_check(config, devices=CPUS[:2])
+    report = check_step.report(result)
+    assert not result.passed and result.frozen_moved, report
+    assert "declared frozen, but changed: head (step 1): main/" in report
+    assert "moving_mean" in report or "moving_variance" in report
+
+
+def test_an_exception_in_the_step_is_one_fail_line_naming_the_tasks_line(
+        tiny_config, monkeypatch):
+    config = _phased(tiny_config)
+    task = tasks.get("phased_finetune")
+
+    def head_step_with_the_wrong_optimizer(self, state, batch, options):
+        objective = step.supervised(state, self)  # every weight, the head's optimizer
+        return step.train_step(state, self, batch, options, objective)
+
+    monkeypatch.setattr(task, "head_step", head_step_with_the_wrong_optimizer)
+    result = check_step.run_check(config, devices=CPUS[:2])
+    report = check_step.report(result)
+    assert not result.passed and result.step_error, report
+    assert "test_check_step.py:" in result.step_error, result.step_error
+    assert "Traceback" not in report and len(report.splitlines()) == 3
+    assert report.splitlines()[-1].startswith("FAIL: decided by the step raising")
+
+
+@pytest.mark.long(30)  # seconds, with -n 2
+def test_a_bfloat16_all_gather_fails_in_the_runs_precision_on_two_replicas(
+        tiny_config, monkeypatch):
+    from trainer.tasks import simclr
+    config = tiny_config.replace(task="simclr", model="cifar_cnn", optimizer="adam",
+                                 batch_size=16, precision="auto").with_settings(knn_k=20)
+
+    def gathered_in_the_models_dtype(self, model, batch):
+        # The bug: the projections gathered as the model outputs them (bfloat16
+        # under mixed_bfloat16): float64 in check_step, float32 on 1 replica.
+        both = model(tf.concat([batch["view_1"], batch["view_2"]], axis=0),
+                     training=True)["projection"]
+        gathered = tf.distribute.get_replica_context().all_gather(both, axis=0)
+        loss = tf.reduce_mean(tf.square(tf.cast(gathered, tf.float32)))
+        per_image = tf.fill(tf.shape(batch["view_1"])[:1], loss)
+        return tf.cast(per_image, both.dtype), {}
+
+    assert check_step.run_check(config, devices=CPUS[:2]).precision == "mixed_bfloat16"
+    monkeypatch.setattr(simclr.SimCLR, "contrastive_loss", gathered_in_the_models_dtype)
+    result = check_step.run_check(config, devices=CPUS[:2])
+    report = check_step.report(result)
+    assert not result.passed and result.precision_error, report
+    line = [line for line in report.splitlines() if "mixed_bfloat16" in line][-1]
+    assert "bfloat16" in result.precision_error and "Traceback" not in report, line

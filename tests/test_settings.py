@@ -106,3 +106,17 @@ def test_a_task_builds_another_optimizer_from_the_runs_settings_changed(tiny_con
         0.5 / tiny_config.learning_rate)
     with pytest.raises(ConfigError, match="momentun"):
         builder.optimizer(model, momentun=0.5)
+    # A head alone, at another peak, other Adam betas: as docs/changing-the-step.md
+    # says, and named in the run's log by build.state.
+    head = [v for v in model.trainable_variables if v is model.trainable_variables[-1]]
+    head_only = builder.optimizer(model, learning_rate=0.01, variables=head,
+                                  optimizer="adam", optimizer_options="beta_1=0.0,beta_2=0.9")
+    assert head_only.beta_1 == 0.0 and head_only.beta_2 == 0.9
+    assert len([v for v in head_only.variables if "momentum" in v.path]) == 1
+    builder.state({"main": model}, {"main": run_s, "head": head_only})
+    assert set(builder.optimizer_notes) == {"head"}
+    assert "peak 0.01" in builder.optimizer_notes["head"]
+    assert f"1 of {model.name}'s {len(model.trainable_variables)}" in (
+        builder.optimizer_notes["head"])
+    with pytest.raises(ConfigError, match="trainable variables"):
+        builder.optimizer(model, variables=[tf.Variable(1.0)])

@@ -145,21 +145,23 @@ def build_optimizer(settings: optimizers.OptimizerSettings, lookahead: bool,
                     schedule: keras.optimizers.schedules.LearningRateSchedule | float,
                     model: keras.Model,
                     precision: str = "float32", steps_per_epoch: int = 1,
-                    step_counter: tf.Variable | None = None) -> keras.optimizers.Optimizer:
-    """The run's optimizer for `model`'s trainable variables, built, with its
-    learning-rate multipliers and, with `lookahead` (--lookahead_every), the
-    Lookahead's slow weights; call under the strategy's scope, after any
-    initialisation of the weights. step_counter: the run's step, which the schedule
-    and the freezes read (default: the optimizer's own iteration count)."""
+                    step_counter: tf.Variable | None = None,
+                    variables: list | None = None) -> keras.optimizers.Optimizer:
+    """The run's optimizer for `variables` (default: `model`'s trainable ones),
+    built, with its learning-rate multipliers and, with `lookahead`
+    (--lookahead_every), the Lookahead's slow weights; call under the strategy's
+    scope, after any initialisation of the weights. step_counter: the run's step,
+    which the schedule and the freezes read (default: the optimizer's own
+    iteration count)."""
+    variables = list(model.trainable_variables if variables is None else variables)
     try:
         optimizer = optimizers.create(
-            settings, schedules.on_step(schedule, step_counter), model.trainable_variables,
+            settings, schedules.on_step(schedule, step_counter), variables,
             precision, steps_per_epoch, step_counter)
     except ValueError as err:  # bad --optimizer_options, --lr_multipliers, --freeze_...
         raise ConfigError(str(err)) from err
     if lookahead:
-        averaging.add_lookahead(optimizer, model.trainable_variables
-                                + step.moving_statistics(model))
+        averaging.add_lookahead(optimizer, variables + step.moving_statistics(model))
     return optimizer
 
 
@@ -224,6 +226,8 @@ class StateBuilder:
             self.schedule = config.group(schedules.ScheduleSettings).make(
                 plan.total_steps, plan.steps_per_epoch)
         self.step = state_lib.new_step_counter()  # THE step counter (under the scope)
+        self._optimizer_notes: dict[int, str] = {}  # id(optimizer): how it differs
+        self.optimizer_notes: dict[str, str] = {}  # the same by name (build.state)
 
     def model(self, name: str | None = None, num_classes: int | None = None,
               options: str | None = None) -> keras.Model:
@@ -296,19 +300,22 @@ class StateBuilder:
             raise ConfigError(f"{flag}={directory}: {files.shorter(str(err))}") from err
 
     def optimizer(self, model: keras.Model, learning_rate: float | None = None,
-                  **changes) -> keras.optimizers.Optimizer | None:
+                  variables: list | None = None, **changes
+                  ) -> keras.optimizers.Optimizer | None:
         """The run's optimizer for `model` (--optimizer and its options, the
         --lr_schedule at the run's step, multipliers, freezes, weight decay, EMA,
         Lookahead, loss scaling): built, slots and all. `learning_rate`: another
-        peak of the same schedule; `changes`: other OptimizerSettings values (e.g.
-        optimizer="sgd", optimizer_options="beta_1=0.5") for this model alone (a
-        GAN's discriminator). None when the state is built to serve (no optimizer is
-        needed)."""
+        peak of the same schedule (its shape, warm-up and length the run's);
+        `variables`: a subset of the model's trainable variables (a head alone;
+        default all); `changes`: other OptimizerSettings values (e.g.
+        optimizer="sgd", optimizer_options="beta_1=0.0,beta_2=0.9") for this
+        optimizer alone. The run's log names each optimizer that differs from the
+        run's. None when the state is built to serve (no optimizer is needed)."""
         if self.purpose == SERVE:
             return None
-        settings = self._config.group(optimizers.OptimizerSettings)
+        run_settings_ = self._config.group(optimizers.OptimizerSettings)
         try:
-            settings = dataclasses.replace(settings, **changes)
+            settings = dataclasses.replace(run_settings_, **changes)
         except TypeError as err:  # (not a field of OptimizerSettings)
             raise ConfigError(f"build.optimizer: {err}") from err
         schedule = self.schedule
@@ -316,8 +323,26 @@ class StateBuilder:
             schedule = dataclasses.replace(
                 self._config.group(schedules.ScheduleSettings), learning_rate=learning_rate
             ).make(self.plan.total_steps, self.plan.steps_per_epoch)
-        return build_optimizer(settings, self._config.lookahead_every > 0, schedule, model,
-                               self.precision, self.plan.steps_per_epoch, self.step)
+        trainable = model.trainable_variables
+        if variables is not None:
+            outside = [getattr(v, "path", v.name) for v in variables
+                       if not any(v is t for t in trainable)]
+            if outside or not variables:
+                raise ConfigError(f"build.optimizer: variables must be some of "
+                                  f"{model.name}'s trainable variables; "
+                                  + (f"{outside[0]} is not" if outside else "got none"))
+        optimizer = build_optimizer(settings, self._config.lookahead_every > 0, schedule,
+                                    model, self.precision, self.plan.steps_per_epoch,
+                                    self.step, variables)
+        differs = [f"{key}={value}" for key, value in changes.items()
+                   if getattr(run_settings_, key) != value]
+        if learning_rate is not None:
+            differs.insert(0, f"peak {learning_rate:g}: {schedules.describe(schedule)}")
+        if variables is not None:
+            differs.append(f"{len(variables)} of {model.name}'s {len(trainable)} "
+                           f"trainable variables")
+        self._optimizer_notes[id(optimizer)] = ", ".join(differs)
+        return optimizer
 
     def variable(self, initial_value, name: str, dtype=None) -> tf.Variable:
         """An extra variable of the state (not trained by an optimizer: a queue, a
@@ -328,6 +353,9 @@ class StateBuilder:
               extras: dict | None = None) -> state_lib.TrainState:
         """The TrainState of these parts and the run's step counter and seed."""
         optimizers = {k: v for k, v in (optimizers or {}).items() if v is not None}
+        self.optimizer_notes = {name: self._optimizer_notes[id(optimizer)]
+                                for name, optimizer in optimizers.items()
+                                if self._optimizer_notes.get(id(optimizer))}
         return state_lib.TrainState(dict(models), optimizers, self.step,
                                     self._config.seed, dict(extras or {}))
 
@@ -344,6 +372,8 @@ class Run:
     state: state_lib.TrainState
     schedule: schedules.WarmupSchedule | None
     step_options: step.StepOptions | None
+    optimizer_notes: dict = dataclasses.field(default_factory=dict)  # name: how it
+    # differs from the run's optimizer (build.optimizer's changes), for the log
 
     @property
     def train_steps(self) -> step.Steps:
@@ -399,7 +429,8 @@ def build_run(config: Config, spec: sources.DatasetSpec, plan: Plan | None,
     if task.output_model not in state.models:
         raise ConfigError(f"task {task.name}'s output model {task.output_model!r} is not "
                           f"among its state's models ({', '.join(state.models)})")
-    return Run(config, spec, plan, task, state, builder.schedule, builder.options)
+    return Run(config, spec, plan, task, state, builder.schedule, builder.options,
+               builder.optimizer_notes)
 
 
 def own_training_batch(task: tasks.Task) -> Callable | None:

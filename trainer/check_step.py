@@ -35,7 +35,11 @@ it, a wrong loss formula, a learning rate too high. Test those against a hand
 computation (tests/test_step.py does, for the built-in step).
 """
 import dataclasses
+import fnmatch
+import os
+import re
 import sys
+import traceback
 from typing import Callable
 
 from trainer import cli
@@ -47,6 +51,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from data import files  # noqa: E402
 from trainer import build, config as config_lib, distributed, inputs  # noqa: E402
 from trainer import randomness, run_flags, step as step_lib  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
@@ -82,21 +87,32 @@ class CheckResult:
     replica_difference: tuple[str, float] = ("", 0.0)  # worst copy of 2 vs the other's
     repeat_difference: tuple[str, float] = ("", 0.0)   # 1 replica twice: worst variable
     repeat_bitwise: bool = True
-    counts_differ: tuple[str, ...] = ()  # integer variables (steps) 1 vs 2 replicas
+    counts_differ: tuple[str, ...] = ()  # integer variables 1 vs 2 replicas
     stateful_ops: tuple[str, ...] = ()   # stateful random ops in the traced step
     batch_norm_passes: dict[str, float] = dataclasses.field(default_factory=dict)
     state_summary: str = ""
     heading: str = ""  # what was checked: the run and the comparison
+    step_error: str = ""  # the step raised (float64 on 1 or 2 replicas): what, where
+    precision: str = ""   # the run's own precision, also trained on 2 replicas
+    precision_error: str = ""  # ... and what it raised there
+    moved: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    frozen_moved: tuple[str, ...] = ()  # "part: variable" declared frozen, changed
+    outside_state: tuple[str, ...] = ()  # variables the step uses, not in the state
 
     def differences(self) -> dict[str, float]:
-        """Every compared quantity's relative difference (infinite: a finding that
-        has no size)."""
+        """Every compared quantity's relative difference; a finding that has no
+        size (a raised step, a stateful op) is infinite (the report says which)."""
+        found = lambda failed: float("inf") if failed else 0.0  # noqa: E731
         return {"1 vs 2 replicas: the state": self.weight_difference,
                 **{name: rel for name, (_, _, rel) in self.metrics.items()},
                 "the replicas' copies": self.replica_difference[1],
                 "the step repeated": self.repeat_difference[1],
-                "step counts": float("inf") if self.counts_differ else 0.0,
-                "stateful random ops": float("inf") if self.stateful_ops else 0.0}
+                "integer variables 1 vs 2 replicas": found(self.counts_differ),
+                "stateful random ops": found(self.stateful_ops),
+                "the step raised an exception": found(self.step_error),
+                f"the step in {self.precision or 'the run precision'} on 2 replicas":
+                    found(self.precision_error),
+                "a variable declared frozen moved": found(self.frozen_moved)}
 
     @property
     def deciding(self) -> tuple[str, float]:
@@ -107,6 +123,34 @@ class CheckResult:
     @property
     def passed(self) -> bool:
         return all(d <= self.tolerance for d in self.differences().values())  # NaN fails
+
+
+def step_error(err: BaseException) -> str:
+    """One line for an exception raised in a task's step: its type, its message's
+    last line (TensorFlow's staging errors put the cause last) and the last place
+    in the task's own code it went through (not TensorFlow's, Keras' or the
+    framework's)."""
+    places = [(frame.filename, frame.lineno) for frame in traceback.extract_tb(
+        err.__traceback__)]
+    places += [(path, int(line)) for path, line in
+               re.findall(r'File "([^"]+)", line (\d+)', str(err))]
+    own = [f"{path}:{line}" for path, line in places if _task_code(path)]
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    causes = [line for line in lines if re.match(r"[A-Za-z_.]*(Error|Exception): ", line)]
+    message = (causes[-1] if causes else f"{type(err).__name__}: "
+               f"{lines[0] if lines else ''}")
+    return files.shorter(message, 240) + (f" (at {own[-1]})" if own else "")
+
+
+def _task_code(path: str) -> bool:
+    """Whether `path` is a task's code (a researcher's file, or trainer/tasks/),
+    not TensorFlow's, Keras' or the framework's."""
+    path = path.replace(os.sep, "/")
+    if ("site-packages" in path or path.startswith("<") or "__autograph_generated" in path
+            or "/python3." in path):
+        return False
+    framework = os.path.dirname(os.path.abspath(__file__)).replace(os.sep, "/") + "/"
+    return not path.startswith(framework) or path.startswith(framework + "tasks/")
 
 
 def _in_float64(layer_config: dict) -> dict:
@@ -217,17 +261,22 @@ def _global_batches(data: inputs.RunData, task, num_steps: int) -> dict:
 
 
 class _Trial:
-    """A run built on `strategy` as training builds it (float64, checkable models),
-    that trains `num_steps` global batches of `data` from a given state."""
+    """A run built on `strategy` as training builds it (float64, checkable models;
+    or, given another `precision`, the run's own models in it), that trains
+    `num_steps` global batches of `data` from a given state, from the step
+    `start_step` of the task's schedule."""
 
-    def __init__(self, strategy, config, spec, plan, data: dict, num_steps: int):
+    def __init__(self, strategy, config, spec, plan, data: dict, num_steps: int,
+                 precision: str = "float64", start_step: int = 0):
         self.strategy, self.config, self.num_steps = strategy, config, num_steps
         keras.utils.set_random_seed(config.seed)
+        checked = precision == "float64"
         self.run = build.build_run(
-            config, spec, plan, strategy, precision="float64",
-            adapt_model=lambda model: checkable(model, config.grad_accum_steps > 1),
-            adapt_fixed_model=in_float64)
+            config, spec, plan, strategy, precision=precision,
+            adapt_model=(lambda model: checkable(model, config.grad_accum_steps > 1))
+            if checked else None, adapt_fixed_model=in_float64 if checked else None)
         state = self.run.state
+        state.step.assign(start_step)
         # Everything the state holds (with the random generators' state), and of it
         # what is compared (the batch-norm pass counters are check_step's own).
         counters = {key: name for model in state.models.values()
@@ -238,6 +287,9 @@ class _Trial:
                          if id(v) in counters]
         self.variables = ([v for _, v in self.compared] + [v for _, v in self.counters]
                           + state.random_variables())  # (the compared ones first)
+        if not checked:  # (the pipeline's own dtypes: float32 images)
+            data = {key: tf.cast(t, tf.float32) if t.dtype == tf.float64 else t
+                    for key, t in data.items()}
         dataset = tf.data.Dataset.from_tensor_slices(data).batch(config.batch_size)
         self.dataset = strategy.experimental_distribute_dataset(
             dataset.with_options(_no_autoshard()))
@@ -259,6 +311,16 @@ class _Trial:
         self._iterator = iterator
         return distributed.means(tf.nest.map_structure(lambda t: t.numpy(), sums))
 
+    def train_one_by_one(self) -> list[list[np.ndarray]]:
+        """Trains the steps one loop each from the state as it is; the compared
+        variables' values before the first step and after each."""
+        iterator = iter(self.dataset)
+        values = [self.values()]
+        for _ in range(self.num_steps):
+            self.loop(iterator, tf.constant(1), tf.constant(0.0))
+            values.append(self.values())
+        return values
+
     def values(self) -> list[np.ndarray]:
         """The compared variables' values (replica 0's copy)."""
         return [np.asarray(v.numpy()) for _, v in self.compared]
@@ -272,10 +334,31 @@ class _Trial:
                            self.strategy.experimental_local_results(inner)])
         return result
 
-    def stateful_random_ops(self) -> list[str]:
-        graph = self.loop.get_concrete_function(
+    def _graph(self) -> tf.Graph:
+        return self.loop.get_concrete_function(
             self._iterator, tf.constant(self.num_steps), tf.constant(0.0)).graph
-        return randomness.stateful_random_ops(graph)
+
+    def stateful_random_ops(self) -> list[str]:
+        return randomness.stateful_random_ops(self._graph())
+
+    def outside_state(self) -> list[str]:
+        """The variables the traced step reads or writes that the run's state does
+        not hold (a task's own counter): not saved, restored or compared."""
+        state = self.run.state
+        held = set()
+        for variable in [*(v for _, v in state.compared_variables()),
+                         *state.random_variables(),
+                         *(v for o in state.optimizers.values() for v in o.variables)]:
+            inner = variable.value if isinstance(variable, keras.Variable) else variable
+            for copy in self.strategy.experimental_local_results(inner):
+                held.add(id(copy))
+                held.add(id(getattr(copy, "value", copy)))
+        found = []
+        for variable in self._graph().variables:
+            if id(variable) not in held and id(getattr(variable, "value", variable)) \
+                    not in held:
+                found.append(getattr(variable, "path", variable.name))
+        return found
 
 
 def _no_autoshard() -> tf.data.Options:
@@ -315,11 +398,12 @@ def default_steps(steps: "step_lib.Steps") -> int:
 
 
 def run_check(config: config_lib.Config, num_steps: int = 0,
-              tolerance: float = TOLERANCE,
-              devices: list[str] | None = None) -> CheckResult:
+              tolerance: float = TOLERANCE, devices: list[str] | None = None,
+              start_step: int = 0) -> CheckResult:
     """Trains `num_steps` steps (0: default_steps) on 1 replica, on 2, and on 1
-    again, from the same state; compares. devices: two CPU device names (default:
-    the host CPU split in two, before TF starts)."""
+    again, from the same state at the schedule's step `start_step`; compares; then
+    trains them on 2 replicas in the run's own precision. devices: two CPU device
+    names (default: the host CPU split in two, before TF starts)."""
     devices = devices or strategy_lib.split_cpu(2)
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("float32")
@@ -329,23 +413,53 @@ def run_check(config: config_lib.Config, num_steps: int = 0,
     schedule = task.train_steps(plan)
     num_steps = num_steps or default_steps(schedule)
     data = _global_batches(build.run_data(config, spec), task, num_steps)
+    batch_norm = "frozen" if config.grad_accum_steps > 1 else "synchronized"
+    steps = (f"steps {start_step + 1}-{start_step + num_steps}" if start_step
+             else f"{num_steps} steps")
+    heading = (f"check_step: {config.model} ({config.model_size}) on {config.dataset}, "
+               f"task {config.task}, {steps} of global batch {config.batch_size}"
+               + (f" (its steps: {schedule.describe()})" if len(schedule.parts) > 1
+                  else "") + f": 1 replica vs 2 (MirroredStrategy on 2 CPU devices), "
+               f"float64, {batch_norm} batch-norm, dropout off")
+    precision = run_precision(config)
+    trial = lambda strategy, **more: _Trial(  # noqa: E731
+        strategy, config, spec, plan, data, num_steps, start_step=start_step, **more)
     try:
-        one = _Trial(tf.distribute.OneDeviceStrategy(devices[0]), config, spec, plan,
-                     data, num_steps)
-        start = one.snapshot()  # THE initial state, of both runs
-        one_metrics = one.train()
-        after_one, names = one.values(), [name for name, _ in one.compared]
-        initial = [start[i] for i in range(len(one.compared))]
-        passes = {layer: float(v.numpy()) / num_steps for layer, v in one.counters}
-        stateful = one.stateful_random_ops()
-        one.restore(start)  # the same steps again: bitwise the same?
-        one.train()
-        repeat = one.values()
-        two = _Trial(strategy_lib.mirrored(tuple(devices[:2])), config, spec, plan, data,
-                     num_steps)
-        two.restore(start)
-        two_metrics = two.train()
-        after_two, copies = two.values(), two.copies()
+        try:
+            one = trial(tf.distribute.OneDeviceStrategy(devices[0]))
+            start = one.snapshot()  # THE initial state, of both runs
+            one_metrics = one.train()
+            after_one, names = one.values(), [name for name, _ in one.compared]
+            initial = [start[i] for i in range(len(one.compared))]
+            passes = {layer: float(v.numpy()) / num_steps for layer, v in one.counters}
+            stateful = one.stateful_random_ops()
+            one.restore(start)  # the same steps again: bitwise the same?
+            one.train()
+            repeat = one.values()
+            repeat_bitwise = all(np.array_equal(a, b) for a, b in zip(after_one, repeat))
+            outside = () if repeat_bitwise else tuple(one.outside_state())
+            frozen_moved = ()
+            if schedule.frozen:  # step by step: what each part of the schedule moved
+                one.restore(start)
+                frozen_moved = _frozen_moved(schedule, start_step, names,
+                                             one.train_one_by_one())
+            two = trial(strategy_lib.mirrored(tuple(devices[:2])))
+            two.restore(start)
+            two_metrics = two.train()
+            after_two, copies = two.values(), two.copies()
+        except Exception as err:  # noqa: BLE001 (the user's step: a verdict, not a trace)
+            if isinstance(err, config_lib.ConfigError):
+                raise
+            return CheckResult(0.0, ("", 0.0), {}, tolerance, heading=heading,
+                               step_error=step_error(err))
+        precision_error = ""
+        if precision not in ("float32", "float64"):
+            try:  # a collective that refuses the run's dtype fails only on N replicas
+                trial(strategy_lib.mirrored(tuple(devices[:2])), precision=precision).train()
+            except Exception as err:  # noqa: BLE001
+                if isinstance(err, config_lib.ConfigError):
+                    raise
+                precision_error = step_error(err)
     finally:
         keras.mixed_precision.set_global_policy(policy)  # (build_run set float64)
     difference, worst = _apart(names, initial, after_one, after_two)
@@ -359,71 +473,144 @@ def run_check(config: config_lib.Config, num_steps: int = 0,
     _, repeat_worst = _apart(names, initial, after_one, repeat)
     counts = tuple(name for name, a, b in zip(names, after_one, after_two)
                    if not np.issubdtype(a.dtype, np.floating) and not np.array_equal(a, b))
-    models = ", ".join(f"{name} {m.count_params():,}"
-                       for name, m in one.run.state.models.items())
+    state = one.run.state
+    models = ", ".join(f"{name} {m.count_params():,}" for name, m in state.models.items())
     summary = (f"state: models {models}; optimizers "
-               f"{', '.join(one.run.state.optimizers) or 'none'}; extras "
-               f"{', '.join(one.run.state.extras) or 'none'}; {len(names)} variables "
-               f"compared")
-    batch_norm = "frozen" if config.grad_accum_steps > 1 else "synchronized"
+               f"{', '.join(state.optimizers) or 'none'}; extras "
+               f"{', '.join(state.extras) or 'none'}; {len(names)} variables compared")
     return CheckResult(
         weight_difference=difference, worst_variable=worst,
         metrics={key: (one_metrics[key], two_metrics.get(key, float("nan")),
                        _relative(one_metrics[key], two_metrics.get(key, float("nan"))))
                  for key in one_metrics},
         tolerance=tolerance, replica_difference=replica_worst,
-        repeat_difference=repeat_worst,
-        repeat_bitwise=all(np.array_equal(a, b) for a, b in zip(after_one, repeat)),
+        repeat_difference=repeat_worst, repeat_bitwise=repeat_bitwise,
         counts_differ=counts, stateful_ops=tuple(stateful),
-        batch_norm_passes=passes, state_summary=summary,
-        heading=(f"check_step: {config.model} ({config.model_size}) on {config.dataset}, "
-                 f"task {config.task}, {num_steps} steps of global batch "
-                 f"{config.batch_size}" + (
-                     f" (its steps: {schedule.describe()})" if len(schedule.parts) > 1
-                     else "") + f": 1 replica vs 2 (MirroredStrategy on 2 CPU "
-                 f"devices), float64, {batch_norm} batch-norm, dropout off"))
+        batch_norm_passes=passes, state_summary=summary, heading=heading,
+        precision=precision, precision_error=precision_error,
+        moved=_moved(state, names, initial, after_one), frozen_moved=frozen_moved,
+        outside_state=outside)
+
+
+def run_precision(config: config_lib.Config) -> str:
+    """The precision the run trains in where it matters most: --precision, or for
+    auto mixed_bfloat16 (a TPU's, and this CPU's default when it has bf16)."""
+    return "mixed_bfloat16" if config.precision == "auto" else config.precision
+
+
+def _moved(state, names: list[str], initial: list, after: list) -> dict[str, tuple]:
+    """{model or "extras": (variables changed over the steps, variables)}."""
+    groups = {f"{name}/": name for name in state.models} | {"extras/": "extras"}
+    moved: dict[str, list[int]] = {}
+    for name, before, now in zip(names, initial, after):
+        group = next((label for prefix, label in groups.items()
+                      if name.startswith(prefix)), None)
+        if group is not None:
+            counted = moved.setdefault(group, [0, 0])
+            counted[0] += not np.array_equal(before, now)
+            counted[1] += 1
+    return {group: tuple(counted) for group, counted in moved.items()}
+
+
+def _frozen_moved(schedule: step_lib.Steps, start_step: int, names: list[str],
+                  values: list[list[np.ndarray]]) -> tuple[str, ...]:
+    """'part: variable' for each variable a part of the schedule declares frozen
+    (Steps.frozen: globs on the compared names) that a step of that part changed."""
+    def frozen(name: str, patterns: tuple[str, ...]) -> bool:  # ("!glob": except)
+        return (any(fnmatch.fnmatchcase(name, p) for p in patterns if p[:1] != "!")
+                and not any(fnmatch.fnmatchcase(name, p[1:]) for p in patterns
+                            if p[:1] == "!"))
+
+    for part, patterns in schedule.frozen.items():
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(name, pattern.lstrip("!")) for name in names):
+                raise config_lib.ConfigError(
+                    f"Steps.frozen[{part!r}]: {pattern!r} matches no variable of the "
+                    f"state; names look like {names[0]!r}")
+    found = []
+    for t in range(len(values) - 1):
+        part = schedule.name_at(start_step + t)
+        for i, name in enumerate(names):
+            if (frozen(name, schedule.frozen.get(part, ()))
+                    and not np.array_equal(values[t][i], values[t + 1][i])):
+                found.append(f"{part} (step {start_step + t + 1}): {name}")
+    return tuple(dict.fromkeys(found))
 
 
 def report(result: CheckResult) -> str:
-    lines = [result.heading,
-             f"  {result.state_summary}",
-             f"  1 vs 2 replicas, the whole state: relative difference "
-             f"{result.weight_difference:.2e} (||s1 - s2|| / ||s1 - s0||; worst variable "
-             f"{result.worst_variable[0]}: {result.worst_variable[1]:.2e})"]
+    lines = [result.heading]
+    if result.step_error:
+        lines += [f"  the step raised {result.step_error}",
+                  "FAIL: decided by the step raising an exception (fix the line named "
+                  "above; a traceback: python -m trainer.main with the same flags)"]
+        return "\n".join(lines)
+    lines += [f"  {result.state_summary}",
+              f"  1 vs 2 replicas, the whole state: relative difference "
+              f"{_size(result.weight_difference)} (||s1 - s2|| / ||s1 - s0||; worst "
+              f"variable {result.worst_variable[0]}: {_size(result.worst_variable[1])})"]
+    if result.moved:
+        lines.append(f"  what the steps changed: " + ", ".join(
+            f"{group} {changed} of {total} variables" for group, (changed, total)
+            in result.moved.items()))
     name, value = result.replica_difference
-    lines.append(f"  the 2 replicas' copies of each variable: relative difference "
-                 f"{value:.2e}" + (f" (worst {name})" if value else " (identical)"))
+    lines.append(f"  the 2 replicas' copies of each variable: " + (
+        "identical" if not value else f"relative difference {_size(value)} (worst {name})"))
     name, value = result.repeat_difference
-    lines.append("  the steps repeated on 1 replica from the same state: " + (
-        "bitwise the same" if result.repeat_bitwise else
-        f"NOT bitwise the same (worst {name}: {value:.2e}): a non-deterministic op "
-        f"(e.g. tf.vectorized_map's); an exact resume cannot hold"))
+    if result.repeat_bitwise:
+        lines.append("  the steps repeated on 1 replica from the same state: bitwise the "
+                     "same")
+    elif result.outside_state:
+        lines.append(f"  the steps repeated on 1 replica from the same state: NOT bitwise "
+                     f"the same (worst {name}: {_size(value)}): the step uses variable(s) "
+                     f"outside the run's state ({', '.join(result.outside_state[:3])}), "
+                     f"which are not restored (here, or by a resume): put them in "
+                     f"build.state(..., extras=...) (build.variable)")
+    else:
+        lines.append(f"  the steps repeated on 1 replica from the same state: NOT bitwise "
+                     f"the same (worst {name}: {_size(value)}): state kept outside the "
+                     f"run's state (a Python counter, a variable of the task's own), or a "
+                     f"non-deterministic op (e.g. tf.vectorized_map's); an exact resume "
+                     f"cannot hold")
     if result.counts_differ:
-        lines.append(f"  step counts differ between 1 and 2 replicas: "
+        lines.append(f"  integer variables differ between 1 and 2 replicas: "
                      f"{', '.join(result.counts_differ)}")
     lines.append("  stateful random ops in the step: " + (
         "; ".join(result.stateful_ops) + " (other numbers on each replica and after a "
         "resume: draw from trainer.randomness)" if result.stateful_ops else "none"))
-    several = {layer: n for layer, n in result.batch_norm_passes.items() if n > 1}
+    several = {layer: n for layer, n in result.batch_norm_passes.items() if n > 1 + 1e-9}
     if several:
-        lines.append(f"  note: batch-norm statistics updated by {max(several.values()):g} "
-                     f"training-mode forward passes a step in {len(several)} layer(s) "
-                     f"(e.g. {next(iter(several))}): an attack or a second pass in "
-                     f"training mode moves them more than once; if not meant, call the "
+        lines.append(f"  note: batch-norm statistics updated by {max(several.values()):.3g} "
+                     f"training-mode forward passes a step (on average) in {len(several)} "
+                     f"layer(s) (e.g. {next(iter(several))}): an attack or a second pass "
+                     f"in training mode moves them more than once; if not meant, call the "
                      f"model with training=False there, or use step.gradient_at_offset")
     elif result.batch_norm_passes:
         lines.append(f"  batch-norm: at most one training-mode pass a step in each of "
                      f"{len(result.batch_norm_passes)} layer(s)")
+    for frozen in result.frozen_moved:
+        lines.append(f"  declared frozen, but changed: {frozen}")
+    if result.precision:
+        lines.append(f"  the steps on 2 replicas in {result.precision} (the run's "
+                     f"precision): " + (f"raised {result.precision_error}" if
+                                        result.precision_error else "ran"))
     for key, (one, two, rel) in result.metrics.items():
         lines.append(f"  {key}: {one:.6g} (1 replica) vs {two:.6g} (2 replicas), "
-                     f"relative difference {rel:.2e}")
+                     f"relative difference {_size(rel)}")
     name, difference = result.deciding
     verdict = "PASS" if result.passed else "FAIL"
-    lines.append(f"{verdict}: decided by {name}: relative difference {difference:.2e}, "
-                 f"tolerance {result.tolerance:.0e}")
+    lines.append(f"{verdict}: decided by {name}" + (
+        f": relative difference {difference:.2e}" if np.isfinite(difference) else "")
+        + f", tolerance {result.tolerance:.0e}")
     lines.append("  (not decided here: a bug that gives the same result however the batch "
                  "is split, e.g. an EMA updated before the optimizer step, a wrong loss)")
     return "\n".join(lines)
+
+
+def _size(relative: float) -> str:
+    """A relative difference as a number; where there is no scale to divide by
+    (a value that was 0), what happened."""
+    return f"{relative:.2e}" if np.isfinite(relative) or np.isnan(relative) else (
+        "from zero to nonzero")
 
 
 def main(argv: list[str]) -> None:
@@ -431,12 +618,24 @@ def main(argv: list[str]) -> None:
     try:
         devices = strategy_lib.split_cpu(2)  # before anything starts TensorFlow
         config = run_flags.config_from_flags(FLAGS)
-        result = run_check(config, FLAGS.check_steps, FLAGS.tolerance, devices=devices)
+        results = []
+        for start in phase_starts(config):  # (a schedule of phases: each one)
+            results.append(run_check(config, FLAGS.check_steps, FLAGS.tolerance,
+                                     devices=devices, start_step=start))
+            print(report(results[-1]), flush=True)
     except run_flags.USER_ERRORS as err:
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)
-    print(report(result))
-    sys.exit(0 if result.passed else 1)
+    sys.exit(0 if all(result.passed for result in results) else 1)
+
+
+def phase_starts(config: config_lib.Config) -> list[int]:
+    """Where check_step starts: step 0, and for a task whose steps are phases (a
+    head, then the whole network) also the first step of every later phase."""
+    spec = build.run_data(config).spec
+    schedule = build.make_task(config, spec).train_steps(
+        build.plan(config, spec, num_replicas=2))
+    return [0] if schedule.repeat else schedule.starts()
 
 
 if __name__ == "__main__":

@@ -132,21 +132,26 @@ def _run_steps(strategy: tf.distribute.Strategy, replica_fns: list[Callable], it
 
     def scheduled(batch):
         traced = [kind.get_concrete_function(batch).structured_outputs for kind in kinds]
-        specs = {}  # every step's metrics; those a step lacks count 0 there
+        # Every step's metrics: those a step lacks count 0 there (weight 0), and a
+        # metric two steps return in two float types is summed in the wider.
+        specs: dict[str, tuple[tf.TensorShape, tuple[tf.DType, tf.DType]]] = {}
         for outputs in traced:
             for key, (total, weight) in outputs[0].items():
-                if key in specs and specs[key][0].shape != total.shape:
+                shape, dtypes = specs.get(key, (total.shape, (total.dtype, weight.dtype)))
+                if shape != total.shape:
                     raise StepContractError(
                         f"metric {key!r} has shape {total.shape} in one scheduled step "
-                        f"and {specs[key][0].shape} in another; give them other names")
-                specs.setdefault(key, (total, weight))
+                        f"and {shape} in another; give them other names")
+                specs[key] = shape, tuple(tf.float64 if d != t.dtype else d for d, t in
+                                          zip(dtypes, (total, weight)))
 
         def branch(step_fn):
             def run():
                 totals, flags = summed(step_fn, batch)
-                return {key: totals[key] if key in totals else
-                        (tf.zeros(total.shape, total.dtype), tf.zeros(weight.shape, weight.dtype))
-                        for key, (total, weight) in specs.items()}, flags
+                return {key: tuple(tf.cast(t, d) for t, d in zip(totals[key], dtypes))
+                        if key in totals else (tf.zeros(shape, dtypes[0]),
+                                               tf.zeros([], dtypes[1]))
+                        for key, (shape, dtypes) in specs.items()}, flags
             return run
         return tf.switch_case(choose(state.step.read_value()),
                               [branch(step_fn) for step_fn in step_fns])

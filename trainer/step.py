@@ -130,11 +130,19 @@ class Steps:
     (weight 0)."""
     parts: tuple[tuple[str, Callable, int], ...]
     repeat: bool = True
+    # part name -> globs on check_step's variable names ("main/backbone*": model
+    # "main"'s variables whose path starts with "backbone"; "!glob": except those):
+    # what must not change while that part runs; check_step FAILs a step that
+    # changes one.
+    frozen: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         names = [name for name, _, _ in self.parts]
         if not names or len(set(names)) != len(names):
             raise ValueError(f"Steps needs parts with distinct names, got {names}")
+        unknown = [part for part in self.frozen if part not in names]
+        if unknown:
+            raise ValueError(f"Steps.frozen names {unknown[0]!r}, not a part of {names}")
         counts = [count for _, _, count in self.parts]
         fixed = counts if self.repeat else counts[:-1]
         if any(not isinstance(c, int) or c < 1 for c in fixed) or (
@@ -172,7 +180,7 @@ class Steps:
     def bound(self, bind: Callable[[Callable], Callable]) -> "Steps":
         """The same schedule with each step replaced by bind(step)."""
         return Steps(tuple((name, bind(fn), count) for name, fn, count in self.parts),
-                     self.repeat)
+                     self.repeat, self.frozen)
 
     def describe(self) -> str:
         listed = ", ".join(f"{name} x{count}" if count else f"{name} to the end"

@@ -310,6 +310,12 @@ def log_setup(run, runtime, flops_per_image: float, peak: float) -> None:
                      "model.weights.h5 use the average", config.ema_decay)
     logging.info("LR schedule %s: %s", config.lr_schedule,
                  schedules.describe(run.schedule))
+    for name, note in run.optimizer_notes.items():  # (build.optimizer's changes)
+        logging.info("Optimizer %s: %s", name, note)
+    steps = run.task.train_steps(plan)
+    if len(steps.parts) > 1:
+        logging.info("Training steps: %s (each optimizer counts its own updates)",
+                     steps.describe())
     logging.info("%.0f MFLOP per training image%s", flops_per_image / 1e6,
                  f"; the run's {precision} matmul peak {peak / 1e9:.0f} GFLOP/s"
                  if peak else "")

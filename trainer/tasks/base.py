@@ -152,7 +152,8 @@ class Task:
         `train_step` at every step. A task with several (5 critic updates, then 1
         generator update; a head phase, then the whole network) returns them with
         their counts; `plan` (trainer/build.py's Plan) gives the run's
-        steps_per_epoch and total_steps for phases in epochs."""
+        steps_per_epoch and total_steps for phases in epochs. Called before the
+        state exists (check_step, the log), so it reads only the settings and plan."""
         return step.Steps((("train", self.train_step, 0),), repeat=False)
 
     def eval_step(self, state: TrainState, batch: dict) -> dict[str, Metric]:
