@@ -440,3 +440,90 @@ def simclr_view(images: tf.Tensor, seed: tf.Tensor, min_area: float = 0.08,
     if blur:
         pixels = gaussian_blur(pixels, blur_seed)
     return tf.cast(tf.round(tf.clip_by_value(pixels, 0.0, 255.0)), tf.uint8)
+
+
+# --- FixMatch's strong view: RandAugment (2 random operations of random strength per
+# image) and Cutout, batched and stateless ----------------------------------------------
+
+def _blend(images: tf.Tensor, other: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
+    """other + factor (images - other), per image (factor [B]): PIL's ImageEnhance."""
+    return other + factor[:, None, None, None] * (images - other)
+
+
+def _affine(images: tf.Tensor, transforms: tf.Tensor) -> tf.Tensor:
+    """Each float image [B, H, W, C] through its projective transform [B, 8]
+    (output -> input coordinates), grey (128) outside the image."""
+    shape = tf.shape(images)
+    return tf.raw_ops.ImageProjectiveTransformV3(
+        images=images, transforms=transforms, output_shape=shape[1:3],
+        fill_value=128.0, interpolation="BILINEAR", fill_mode="CONSTANT")
+
+
+def _random_augment_ops(images: tf.Tensor, magnitude: tf.Tensor) -> list[tf.Tensor]:
+    """Each of RandAugment's operations (FixMatch's set, without equalize) applied to
+    every float image [B, H, W, C] in [0, 255], at its magnitude in [0, 1] [B]."""
+    batch, height, width = tf.shape(images)[0], images.shape[1], images.shape[2]
+    signed = magnitude * tf.where(magnitude * 1e4 % 2 < 1, 1.0, -1.0)  # either way
+    grey = tf.reduce_mean(images, axis=-1, keepdims=True)
+    low = tf.reduce_min(images, axis=[1, 2], keepdims=True)
+    high = tf.reduce_max(images, axis=[1, 2], keepdims=True)
+    smooth = tf.nn.depthwise_conv2d(
+        tf.pad(images, [[0, 0], [1, 1], [1, 1], [0, 0]], mode="SYMMETRIC"),
+        tf.tile(tf.constant([[1., 1, 1], [1, 5, 1], [1, 1, 1]])[:, :, None, None] / 13.0,
+                [1, 1, images.shape[3], 1]), [1, 1, 1, 1], "VALID")
+    zeros, ones = tf.zeros([batch]), tf.ones([batch])
+    shear, move, angle = 0.3 * signed, 0.3 * signed, signed * 3.14159265 / 6.0
+    cos, sin = tf.cos(angle), tf.sin(angle)
+    cy, cx = (height - 1) / 2.0, (width - 1) / 2.0
+    transforms = {  # (a0 a1 a2 b0 b1 b2 c0 c1): input = (a0 x + a1 y + a2, b0 x + b1 y + b2)
+        "shear_x": [ones, shear, -shear * cy, zeros, ones, zeros, zeros, zeros],
+        "shear_y": [ones, zeros, zeros, shear, ones, -shear * cx, zeros, zeros],
+        "translate_x": [ones, zeros, move * width, zeros, ones, zeros, zeros, zeros],
+        "translate_y": [ones, zeros, zeros, zeros, ones, move * height, zeros, zeros],
+        "rotate": [cos, -sin, cx - cos * cx + sin * cy, sin, cos,
+                   cy - sin * cx - cos * cy, zeros, zeros]}
+    factor = 1.0 + 0.9 * signed  # enhancement factors in [0.1, 1.9]
+    bits = tf.cast(8 - tf.round(magnitude * 4), tf.int32)  # posterize: 8..4 bits
+    step = tf.cast(tf.bitwise.left_shift(1, 8 - bits), tf.float32)[:, None, None, None]
+    return [images,                                                     # identity
+            tf.math.divide_no_nan(images - low, high - low) * 255.0,   # autocontrast
+            _blend(images, tf.zeros_like(images), factor),             # brightness
+            _blend(images, tf.reduce_mean(grey, axis=[1, 2, 3], keepdims=True), factor),
+            _blend(images, grey, factor),                              # colour
+            _blend(images, smooth, factor),                            # sharpness
+            tf.floor(images / step) * step,                            # posterize
+            tf.where(images >= 256.0 * (1.0 - magnitude)[:, None, None, None],
+                     255.0 - images, images),                          # solarize
+            *(_affine(images, tf.stack(t, axis=1)) for t in transforms.values())]
+
+
+RANDOM_AUGMENT_OPS = 13  # (the list above)
+
+
+def strong_view(images: tf.Tensor, seed: tf.Tensor, operations: int = 2,
+                cutout: float = 0.5) -> tf.Tensor:
+    """FixMatch's strong augmentation of each uint8 image: a flip and a 4-pixel
+    translation (the weak view's), `operations` RandAugment operations, each
+    chosen and of a strength drawn per image, then Cutout (a grey square of
+    `cutout` x the side, anywhere). uint8 out, a pure function of `seed`."""
+    weak_seed, cut_seed, *op_seeds = _seeds(seed, 2 + 2 * operations)
+    images, _ = pad_crop_flip(images, None, weak_seed, pad=4, mode="REFLECT")
+    pixels = tf.cast(images, tf.float32)
+    batch = tf.shape(images)[0]
+    for choice_seed, strength_seed in zip(op_seeds[::2], op_seeds[1::2]):
+        chosen = tf.random.stateless_uniform([batch], choice_seed, 0, RANDOM_AUGMENT_OPS,
+                                             dtype=tf.int32)
+        strength = tf.random.stateless_uniform([batch], strength_seed)
+        options = tf.stack(_random_augment_ops(pixels, strength), axis=1)  # [B, ops, ...]
+        pixels = tf.clip_by_value(tf.gather(options, chosen, axis=1, batch_dims=1),
+                                  0.0, 255.0)
+    height, width = images.shape[1], images.shape[2]
+    side = int(round(cutout * min(height, width)))
+    centres = tf.random.stateless_uniform([batch, 2], cut_seed)
+    rows = tf.range(height, dtype=tf.float32)[None, :, None]
+    cols = tf.range(width, dtype=tf.float32)[None, None, :]
+    top = centres[:, 0, None, None] * height - side / 2
+    left = centres[:, 1, None, None] * width - side / 2
+    inside = ((rows >= top) & (rows < top + side) & (cols >= left) & (cols < left + side))
+    pixels = tf.where(inside[..., None], 128.0, pixels)
+    return tf.cast(tf.round(pixels), tf.uint8)

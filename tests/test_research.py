@@ -440,3 +440,96 @@ def test_a_tasks_own_step_compiles_with_xla_and_matches_the_plain_step(task, tin
     assert len(states[0]) == len(states[1]) > 4  # (Keras numbers the layers anew)
     for (name, plain), (_, compiled) in zip(*states):
         np.testing.assert_allclose(plain, compiled, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+# --- fixmatch: two input streams -----------------------------------------------------
+
+def _fixmatch(tiny_config, **changes):
+    return tiny_config.replace(task="fixmatch", model="cifar_cnn", optimizer="sgd",
+                               learning_rate=0.03, **changes).with_settings(
+        labelled_examples=40, unlabelled_factor=3, threshold=0.0)  # (every guess counts)
+
+
+def test_a_balanced_subset_stream_holds_the_first_of_each_class_and_resumes_at_a_step(
+        tiny_config):
+    from trainer import build, inputs
+    config = _fixmatch(tiny_config, batch_size=8)
+    data = build.run_data(config)
+    streams = build.task_input(build.make_task(config, data.spec))
+    assert set(streams) == {"labelled", "unlabelled"}
+    whole = tf.distribute.InputContext()
+    train_examples = data.counts()[0]
+    make = inputs.train_input_fn(data, train_examples, task_input=streams)
+    batches = list(make(whole).take(12))
+    first = batches[0]
+    assert first["labelled"]["image"].shape[0] == config.batch_size
+    assert first["unlabelled"]["weak"].shape[0] == 3 * config.batch_size
+    assert first["unlabelled"]["strong"].shape == first["unlabelled"]["weak"].shape
+    # 40 labelled examples, 4 of each of the 10 classes, every one seen in an epoch
+    # of the labelled stream (5 steps of 8), none other.
+    seen = np.concatenate([b["labelled"]["index"].numpy() for b in batches[:5]])
+    labels = np.concatenate([b["labelled"]["label"].numpy() for b in batches[:5]])
+    assert sorted(seen) == list(range(40))
+    assert np.bincount(labels, minlength=10).tolist() == [4] * 10
+    # The streams resume at a step: from step 7 the same batches as straight through.
+    resumed = list(inputs.train_input_fn(data, train_examples, start_step=7,
+                                         task_input=streams)(whole).take(5))
+    for a, b in zip(batches[7:], resumed):
+        tf.nest.map_structure(np.testing.assert_array_equal, a, b)
+
+
+@pytest.mark.long(45)  # seconds, with -n 2
+def test_fixmatch_on_two_replicas_resumes_bitwise_and_serves_its_classifier(
+        tiny_config, tmp_path, monkeypatch):
+    from trainer.serving import predict
+    config = _fixmatch(tiny_config, cpu_replicas=2, deterministic=True)
+    metrics = loop.train_and_evaluate(config)
+    assert metrics["steps"] == 4 and 0 <= metrics["test_accuracy"] <= 1
+    resumed = stopped_then_resumed(config.replace(model_dir=config.model_dir + "_2"),
+                                   monkeypatch, at_step=4)
+    assert resumed["resumed_from_step"] == 2
+    assert resumed["state_sha256"] == metrics["state_sha256"]
+    assert resumed["weights_sha256"] == metrics["weights_sha256"]
+    image = tmp_path / "x.png"
+    tf.io.write_file(str(image), tf.io.encode_png(tf.zeros([32, 32, 3], tf.uint8)))
+    lines = predict.run(predict.parse([f"--model_dir={config.model_dir}", str(image)]))
+    assert any("%" in line for line in lines)
+
+
+@pytest.mark.long(40)  # seconds, with -n 2
+def test_fixmatch_passes_the_check_and_its_planted_bugs_fail(tiny_config, monkeypatch):
+    from trainer.tasks import classification
+    result, report = _check(_fixmatch(tiny_config))
+    assert result.passed, report
+    assert result.metrics["confident"][0] == 1.0  # (threshold 0: the unlabelled loss runs)
+    original = classification.objective
+
+    def per_replica_mean(targets, logits, smoothing=0.0):
+        # The bug: each loss averaged over this replica's examples (then divided
+        # again by the global batch): 2 replicas train with half... x replicas.
+        losses = original(targets, logits, smoothing)
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        return tf.fill(tf.shape(losses), tf.reduce_mean(losses)) * tf.cast(
+            replicas, losses.dtype)
+
+    monkeypatch.setattr(classification, "objective", per_replica_mean)
+    result, report = _check(_fixmatch(tiny_config))
+    assert not result.passed, report
+    monkeypatch.undo()
+
+    def threshold_on_the_replicas_mean(task_self, state, batch, options):
+        # The bug: the confidence of the replica's mean prediction decides for all
+        # its images (it depends on how the batch is split).
+        settings = dataclasses.replace(task_self.settings, threshold=0.3)
+        object.__setattr__(task_self, "settings", settings)
+        unlabelled = batch["unlabelled"]
+        mean = tf.reduce_mean(unlabelled["weak"], axis=0, keepdims=True)
+        batch = {**batch, "unlabelled": {**unlabelled, "weak": tf.zeros_like(
+            unlabelled["weak"]) + mean}}
+        return fixmatch_step(task_self, state, batch, options)
+
+    from trainer.tasks import fixmatch
+    fixmatch_step = fixmatch.FixMatch.train_step
+    monkeypatch.setattr(fixmatch.FixMatch, "train_step", threshold_on_the_replicas_mean)
+    result, report = _check(_fixmatch(tiny_config))
+    assert not result.passed, report

@@ -1,8 +1,9 @@
 """The structure figures of issue 44, kept true: no import circle among trainer/,
 models/ and data/ (every import statement counts, also those inside functions), at
 most 2 project imports inside functions, at most 12 functions taking the whole
-run `config`, `train_and_evaluate` at most 180 lines, `Task` at most 20 public
-members, a step setting named on at most 3 lines. Read from the source alone (as
+run `config`, `train_and_evaluate` at most 180 lines, `Task` at most 22 public
+members (issue 44's 20, and issue 45's two new contracts: `train_steps`, several
+steps on a schedule, and `streams`, several input streams), a step setting named on at most 3 lines. Read from the source alone (as
 `python3 ../shared/tools/structure.py .` does): nothing is imported."""
 import ast
 import os
@@ -93,7 +94,7 @@ def test_the_whole_config_reaches_at_most_twelve_functions():
     assert len(taking) <= 12, taking
 
 
-def test_the_loop_reads_in_at_most_180_lines_and_the_task_contract_has_20_members():
+def test_the_loop_reads_in_at_most_180_lines_and_the_task_contract_has_22_members():
     loop = max(f.end_lineno - f.lineno + 1 for f in _functions("trainer.loop"))
     assert loop <= 180
     task = next(node for node in MODULES["trainer.tasks.base"][1].body
@@ -107,7 +108,7 @@ def test_the_loop_reads_in_at_most_180_lines_and_the_task_contract_has_20_member
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             members.add(node.target.id)
     public = sorted(m for m in members if not m.startswith("_"))
-    assert len(public) <= 20, public
+    assert len(public) <= 22, public
 
 
 def test_a_step_setting_is_named_on_three_lines_its_field_and_its_use():

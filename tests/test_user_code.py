@@ -263,3 +263,22 @@ def test_a_task_file_may_import_any_trainer_module_at_its_top(tmp_path):
     for module, process in zip(commands, started):
         _, err = process.communicate(timeout=300)
         assert process.returncode == 0, f"{module}: {err[-1500:]}"
+
+
+@pytest.mark.long(60)  # seconds, with -n 2
+def test_the_testing_kits_example_passes_from_outside_the_repository(tmp_path):
+    """docs/examples/testing/ (a MoCo-style task, its tests and the one-line
+    conftest.py that takes trainer.testing) copied into a folder of its own and run
+    with pytest there, as a researcher's tests are: all pass."""
+    import shutil
+    import subprocess
+    from test_main import ROOT
+    folder = tmp_path / "my_tests"
+    shutil.copytree(os.path.join(ROOT, "docs", "examples", "testing"), folder,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": ""}  # (only what the installed package gives)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-p", "no:xdist", str(folder)], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "4 passed" in done.stdout

@@ -345,9 +345,13 @@ class StateBuilder:
         return optimizer
 
     def variable(self, initial_value, name: str, dtype=None) -> tf.Variable:
-        """An extra variable of the state (not trained by an optimizer: a queue, a
-        running statistic), saved, restored and compared with the rest."""
-        return tf.Variable(initial_value, dtype=dtype, trainable=False, name=name)
+        """An extra variable of the state (not trained by an optimizer: a queue and
+        its pointer, a running statistic), saved, restored and compared with the
+        rest. A step updates it alike on every replica (from values summed or
+        gathered over the replicas): the first replica's update is kept, as for the
+        step counter (check_step compares every replica's copy)."""
+        return tf.Variable(initial_value, dtype=dtype, trainable=False, name=name,
+                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
     def state(self, models: dict, optimizers: dict | None = None,
               extras: dict | None = None) -> state_lib.TrainState:
@@ -388,8 +392,8 @@ class Run:
         return self.task.eval_step(self.state, batch)
 
     @property
-    def own_training_batch(self) -> Callable | None:
-        return own_training_batch(self.task)
+    def task_input(self) -> Callable | dict | None:
+        return task_input(self.task)
 
     def about(self) -> dict:
         """What metrics.json says of the run: what it trains on what, its batch, its
@@ -433,9 +437,17 @@ def build_run(config: Config, spec: sources.DatasetSpec, plan: Plan | None,
                builder.optimizer_notes)
 
 
-def own_training_batch(task: tasks.Task) -> Callable | None:
-    """The task's `training_batch`, if it has its own (else None: the input
-    pipeline's standard batch, without the call): what inputs.train_input_fn takes."""
+def task_input(task: tasks.Task) -> Callable | dict | None:
+    """What the task's input pipeline yields, as inputs.train_input_fn takes it: its
+    named streams (Task.streams), else its `training_batch` if it has its own, else
+    None (the pipeline's standard batch, without the call)."""
+    streams = task.streams()
+    if streams:
+        if not tasks.has_own_step(task):
+            raise ConfigError(f"task {task.name} declares input streams "
+                              f"({', '.join(streams)}); the default step reads one batch: "
+                              f"give it a train_step of its own that reads them")
+        return dict(streams)
     return task.training_batch if tasks.makes_own_batches(task) else None
 
 

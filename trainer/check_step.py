@@ -245,19 +245,30 @@ def in_float64(model: keras.Model) -> keras.Model:
     return copy
 
 
-def _global_batches(data: inputs.RunData, task, num_steps: int) -> dict:
+def global_batches(data: inputs.RunData, task, num_steps: int) -> dict:
     """The first `num_steps` global batches of the run's training stream (the
     task's own batches: two views, ...), stacked into one dict of
     [num_steps * batch, ...] tensors, floats in float64."""
     train_examples = data.load(data.spec.train_split)[1]
     make = inputs.train_input_fn(data, train_examples,
-                                 own_batch=build.own_training_batch(task))
+                                 task_input=build.task_input(task))
     whole = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
                                        num_replicas_in_sync=1)
     batches = list(make(whole).take(num_steps))
-    stacked = {key: tf.concat([b[key] for b in batches], 0) for key in batches[0]}
-    return {key: tf.cast(t, tf.float64) if t.dtype.is_floating else t
-            for key, t in stacked.items()}
+    stacked = tf.nest.map_structure(lambda *steps: tf.concat(steps, 0), *batches)
+    return tf.nest.map_structure(
+        lambda t: tf.cast(t, tf.float64) if t.dtype.is_floating else t, stacked)
+
+
+def _batched(data: dict, batch_size: int, task) -> tf.data.Dataset:
+    """The stacked global batches again as batches: one dict, or with a task's
+    streams one batch of each stream a step (at its own batch size)."""
+    streams = build.task_input(task)
+    if not isinstance(streams, dict):
+        return tf.data.Dataset.from_tensor_slices(data).batch(batch_size)
+    return tf.data.Dataset.zip({
+        name: tf.data.Dataset.from_tensor_slices(data[name]).batch(
+            batch_size * stream.batch_factor) for name, stream in streams.items()})
 
 
 class _Trial:
@@ -288,9 +299,9 @@ class _Trial:
         self.variables = ([v for _, v in self.compared] + [v for _, v in self.counters]
                           + state.random_variables())  # (the compared ones first)
         if not checked:  # (the pipeline's own dtypes: float32 images)
-            data = {key: tf.cast(t, tf.float32) if t.dtype == tf.float64 else t
-                    for key, t in data.items()}
-        dataset = tf.data.Dataset.from_tensor_slices(data).batch(config.batch_size)
+            data = tf.nest.map_structure(
+                lambda t: tf.cast(t, tf.float32) if t.dtype == tf.float64 else t, data)
+        dataset = _batched(data, config.batch_size, self.run.task)
         self.dataset = strategy.experimental_distribute_dataset(
             dataset.with_options(_no_autoshard()))
         self.loop = distributed.make_train_loop(strategy, self.run.train_steps,
@@ -412,7 +423,7 @@ def run_check(config: config_lib.Config, num_steps: int = 0,
     task = build.make_task(config, spec)
     schedule = task.train_steps(plan)
     num_steps = num_steps or default_steps(schedule)
-    data = _global_batches(build.run_data(config, spec), task, num_steps)
+    data = global_batches(build.run_data(config, spec), task, num_steps)
     batch_norm = "frozen" if config.grad_accum_steps > 1 else "synchronized"
     steps = (f"steps {start_step + 1}-{start_step + num_steps}" if start_step
              else f"{num_steps} steps")

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import zlib
 from typing import Any, Callable
 
 from absl import logging
@@ -161,18 +162,99 @@ def _stream_decode(data: RunData, augment_name: str):
     return decode
 
 
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """One named input stream of a task (`Task.streams`): the step gets a batch of
+    every stream at every step, {name: {"image", "label", "index", ...}}.
+
+    batch_factor: its GLOBAL batch is this times --batch_size (FixMatch's
+    unlabelled stream: 7), so the replicas always divide it.
+    examples: which examples of its split: "all"; "first:N", the first N in the
+    split's order; "balanced:N", the first N / classes of each class (a labelled
+    subset as semi-supervised papers take it). A subset is decoded into memory
+    (small by nature); "all" follows --cache (streams from the files with
+    --cache=none).
+    split: another split of the run's dataset ("" : the training split).
+    make_batch(images, labels, key, standard, normalize) -> dict: its batch, as
+    `Task.training_batch` (weak and strong views); None: the run's standard batch.
+    Each stream is a pure function of (--seed, its name, the step): it resumes
+    exactly, on any number of replicas and workers. Its "index" keys are unique
+    within the stream (per-example draws: give each stream's draws their own name)."""
+    batch_factor: int = 1
+    examples: str = "all"
+    split: str = ""
+    make_batch: Callable | None = None
+
+    def __post_init__(self):
+        kind, _, count = self.examples.partition(":")
+        if not (self.examples == "all" or (kind in ("first", "balanced") and
+                                           count.isdigit() and int(count) > 0)):
+            raise settings.ConfigError(
+                f"Stream examples={self.examples!r}: give 'all', 'first:N' or "
+                f"'balanced:N' with N > 0")
+        if not isinstance(self.batch_factor, int) or self.batch_factor < 1:
+            raise settings.ConfigError(f"Stream batch_factor={self.batch_factor!r}: a "
+                                       f"whole number >= 1")
+
+    def size(self, num_classes: int) -> int | None:
+        """How many examples the stream holds (None: all of its split)."""
+        if self.examples == "all":
+            return None
+        kind, _, count = self.examples.partition(":")
+        return int(count) if kind == "first" else int(count) // num_classes * num_classes
+
+
+def _selected(ds: tf.data.Dataset, stream: Stream, num_classes: int) -> tf.data.Dataset:
+    """The stream's examples of a whole split (in its order, the same on every
+    worker: the shards are taken after)."""
+    kind, _, count = stream.examples.partition(":")
+    if kind == "first":
+        return ds.take(int(count))
+    per_class = int(count) // num_classes
+
+    def keep(taken, example):  # the first `per_class` of each class
+        label = tf.cast(example[1], tf.int64)
+        fresh = taken[label] < per_class
+        taken = tf.tensor_scatter_nd_add(taken, [[label]], [tf.cast(fresh, tf.int64)])
+        return taken, (fresh, example)
+
+    def is_fresh(fresh, example):
+        return fresh
+
+    def example_of(fresh, example):
+        return example
+
+    return ds.scan(tf.zeros([num_classes], tf.int64), keep).filter(is_fresh).map(example_of)
+
+
+def _stream_seed(seed: int, name: str) -> int:
+    """A stream's own seed: streams of one run shuffle and augment apart."""
+    return seed + zlib.crc32(name.encode()) % 1_000_003
+
+
 def train_input_fn(data: RunData, train_examples: int,
                    start_step: int = 0, end_step: int | None = None,
                    counts: list | None = None, mode: str = MEMORY_MODE,
                    files: sources.RecordFiles | None = None,
-                   own_batch: Callable | None = None):
+                   task_input: Callable | dict | None = None):
     """The training input for `distribute_datasets_from_function`: each input
     worker's pipeline (in memory, or streamed from `files`: choose_mode), resuming at
     `start_step` (the data position is the step) and ending at `end_step` (None:
-    endless), yielding what `own_batch` makes (a task's own `training_batch`,
-    trainer/build.py's Run.own_training_batch) or else the augmented, normalized,
-    mixed batch. counts: gets the examples each of this
-    process's pipelines read (for `check_train_count`)."""
+    endless). task_input (trainer/build.py's Run.task_input): a task's own
+    `training_batch` (yielded instead of the augmented, normalized, mixed batch),
+    or its named streams ({name: Stream}: a dict of their batches). counts: gets
+    the examples each of this process's pipelines of the whole training split read
+    (for `check_train_count`)."""
+    if isinstance(task_input, dict):
+        counted = next((name for name, stream in task_input.items()  # (one is counted)
+                        if stream.examples == "all" and not stream.split), None)
+        makers = {name: _stream_input_fn(data, name, stream, train_examples, start_step,
+                                         end_step, counts if name == counted else None,
+                                         mode, files)
+                  for name, stream in task_input.items()}
+        return lambda context: tf.data.Dataset.zip(
+            {name: make(context) for name, make in makers.items()})
+    own_batch = task_input
     spec, settings_ = data.spec, data.settings
     augment_name = data.augment_name
     normalize = augment.make_normalize(spec.mean, spec.std)
@@ -210,6 +292,50 @@ def train_input_fn(data: RunData, train_examples: int,
     return stream_fn if mode == STREAM_MODE else train_fn
 
 
+def _stream_input_fn(data: RunData, name: str, stream: Stream, train_examples: int,
+                     start_step: int, end_step: int | None, counts: list | None,
+                     mode: str, files: sources.RecordFiles | None):
+    """One stream's input function (train_input_fn's, with the stream's batch,
+    seed, examples and batch)."""
+    data = dataclasses.replace(data, batch_size=data.batch_size * stream.batch_factor,
+                               seed=_stream_seed(data.seed, name))
+    spec = data.spec
+    split = stream.split or spec.train_split
+    if stream.examples == "all" and split == spec.train_split:  # as the run's own
+        return train_input_fn(data, train_examples, start_step, end_step, counts, mode,
+                              files, stream.make_batch)
+    size = stream.size(spec.num_classes)
+    settings_ = data.settings
+    normalize = augment.make_normalize(spec.mean, spec.std)
+    mix = augment.make_mix(spec.num_classes, settings_.mixup_alpha, settings_.cutmix_alpha)
+    augment_fn = augment.TRAIN_AUGMENTATIONS[data.augment_name]
+    make_batch = None
+    if stream.make_batch is not None:
+        standard = pipeline.standard_batch(augment_fn, normalize, mix)
+        make_batch = lambda images, labels, key: stream.make_batch(  # noqa: E731
+            images, labels, key, standard, normalize)
+
+    def subset_fn(context):
+        ds, total = data.load(split)  # all of it on every worker: the shard comes after
+        if size is not None:
+            ds = _selected(ds, stream, spec.num_classes)
+        expected = total if size is None else size
+        read: list[int] = []
+        made = pipeline.make_train(ds, context, data.batch_size, augment_fn, normalize,
+                                   settings_.shuffle_buffer, seed=data.seed,
+                                   prepare=_prepare(data), num_examples=expected,
+                                   start_step=start_step, end_step=end_step, mix=mix,
+                                   alternating_flip=settings_.alternating_flip,
+                                   counts=read, make_batch=make_batch)
+        shard = len(range(context.input_pipeline_id, expected, context.num_input_pipelines))
+        if read[0] != shard:
+            raise sources.DatasetError(
+                f"stream {name!r}: {split} holds {read[0]} of the {shard} examples "
+                f"{stream.examples!r} asks for (in this worker's shard); ask for fewer")
+        return made
+    return subset_fn
+
+
 @dataclasses.dataclass(frozen=True)
 class Pipelines:
     """A run's distributed input: `train` (each worker's stream, resumed at the
@@ -220,7 +346,7 @@ class Pipelines:
 
 
 def distribute(strategy: tf.distribute.Strategy, data: RunData, train_examples: int,
-               start_step: int, end_step: int, own_batch: Callable | None = None
+               start_step: int, end_step: int, task_input: Callable | dict | None = None
                ) -> Pipelines:
     """The run's input pipelines on `strategy`: in memory (decoded once, before the
     first step) or streamed from the files (choose_mode), the training stream from
@@ -233,8 +359,9 @@ def distribute(strategy: tf.distribute.Strategy, data: RunData, train_examples: 
         counts: list[int] = []  # what each pipeline read: all that was promised?
         train = strategy.distribute_datasets_from_function(
             train_input_fn(data, train_examples, start_step, end_step, counts, mode,
-                           record_files, own_batch))
-        check_train_count(strategy, data.spec, counts, train_examples)
+                           record_files, task_input))
+        if counts or not isinstance(task_input, dict):  # (streams of subsets: their own)
+            check_train_count(strategy, data.spec, counts, train_examples)
         evaluation = strategy.distribute_datasets_from_function(
             eval_input_fn(data, cache=mode == MEMORY_MODE))
     return Pipelines(train, evaluation, mode == MEMORY_MODE)

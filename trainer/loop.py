@@ -103,7 +103,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
 
     # --- Input pipelines: the stream resumes at the step ----------------------------
     pipelines = inputs.distribute(strategy, data, plan.train_examples, start_step,
-                                  plan.total_steps, run.own_training_batch)
+                                  plan.total_steps, run.task_input)
     with inputs.data_errors_explained(spec):  # only the chief draws pictures
         samples = (evaluation.load_samples(spec, data.image_shape[0], config.data_dir,
                                            config.download_data) if is_chief else None)

@@ -52,6 +52,9 @@ The state and the step (see trainer/state.py and trainer/step.py):
   worker (e.g. the features of the training set for a kNN classifier);
   `finish_evaluation(result)` turns the summed metrics into the final ones (e.g.
   a Fréchet distance from summed features).
+- `streams()`: several input streams ({name: inputs.Stream}: a labelled subset,
+  the unlabelled rest at 7x the batch, each with its own views), the step gets
+  {name: batch}; default none: one stream of `training_batch`es.
 - `training_batch(images, labels, key, standard, normalize)`: what the input
   pipeline yields for the step, inside tf.data (e.g. two augmented views).
 - `training_flops(state, forward, options)`: the float ops of one training step
@@ -179,6 +182,13 @@ class Task:
         ({"image", "label"[, "target"]}); normalize(images, labels): the dataset's
         normalization alone. The pipeline adds "index"."""
         return standard(images, labels, key)
+
+    def streams(self) -> dict:
+        """Named input streams ({name: trainer.inputs.Stream}: a labelled subset at
+        the batch size and the whole training split at 7x, each with its own
+        views); the step then gets {name: that stream's batch}. Default: none, one
+        stream of `training_batch`s."""
+        return {}
 
     def training_flops(self, state: TrainState, forward: Callable[[keras.Model], float],
                        options) -> float:
