@@ -16,8 +16,15 @@ here, against 1e-3 and more for the bugs below):
 3. on 1 replica again: bitwise the same, or exact resume cannot hold;
 4. the traced step searched for stateful random ops (named), and batch-norm
    layers counted: statistics updated by more than one training-mode forward pass
-   a step are reported.
+   a step are reported;
+5. on 2 replicas in the run's own precision (mixed_bfloat16 for --precision=auto,
+   a TPU's and this CPU's): a collective that refuses the dtype (all_gather of
+   bfloat16) FAILs here, naming the op, where float64 and 1 replica cannot see it;
+6. what the steps changed, per model; with a task's schedule of steps (Task.
+   train_steps), a whole cycle by default, each phase from its first step, and
+   step by step what a part declares frozen (step.Steps.frozen): a change FAILs.
 
+An exception in the task's step is one FAIL line with the task's file and line.
 Prints every difference, the one that decided the verdict, and PASS or FAIL; exit
 status 0 on PASS, 1 on FAIL, 2 on bad flags.
 

@@ -53,7 +53,8 @@ SUM = tf.distribute.ReduceOp.SUM
 STEP_METRICS = ("loss", "grad_norm", "skipped")  # the step's own
 
 # One update with the given (already summed) gradients, or none where `finite` is
-# false; the optimizer's iteration count advances either way. (trainer/optimizers.py)
+# false; the optimizer's own iteration count counts the updates applied only.
+# (trainer/optimizers.py)
 apply_or_skip = optimizers.apply_or_skip
 
 
