@@ -439,7 +439,7 @@ def run_check(config: config_lib.Config, num_steps: int = 0,
                + (f" (its steps: {schedule.describe()})" if len(schedule.parts) > 1
                   else "") + f": 1 replica vs 2 (MirroredStrategy on 2 CPU devices), "
                f"float64, {batch_norm} batch-norm, dropout off")
-    precision = run_precision(config)
+    precision = run_precision(config.precision)
     trial = lambda strategy, **more: _Trial(  # noqa: E731
         strategy, config, spec, plan, data, num_steps, start_step=start_step, **more)
     try:
@@ -510,10 +510,11 @@ def run_check(config: config_lib.Config, num_steps: int = 0,
         outside_state=outside)
 
 
-def run_precision(config: config_lib.Config) -> str:
-    """The precision the run trains in where it matters most: --precision, or for
-    auto mixed_bfloat16 (a TPU's, and this CPU's default when it has bf16)."""
-    return "mixed_bfloat16" if config.precision == "auto" else config.precision
+def run_precision(precision: str) -> str:
+    """The precision a run of --precision=`precision` trains in where it matters
+    most: it, or for auto mixed_bfloat16 (a TPU's, and this CPU's default when it
+    has bf16)."""
+    return "mixed_bfloat16" if precision == "auto" else precision
 
 
 def _moved(state, names: list[str], initial: list, after: list) -> dict[str, tuple]:
@@ -636,8 +637,13 @@ def main(argv: list[str]) -> None:
     try:
         devices = strategy_lib.split_cpu(2)  # before anything starts TensorFlow
         config = run_flags.config_from_flags(FLAGS)
+        # Where the checks start: step 0, and for a task whose steps are phases (a
+        # head, then the whole network) the first step of every later phase too.
+        spec = build.run_data(config).spec
+        schedule = build.make_task(config, spec).train_steps(
+            build.plan(config, spec, num_replicas=2))
         results = []
-        for start in phase_starts(config):  # (a schedule of phases: each one)
+        for start in [0] if schedule.repeat else schedule.starts():
             results.append(run_check(config, FLAGS.check_steps, FLAGS.tolerance,
                                      devices=devices, start_step=start))
             print(report(results[-1]), flush=True)
@@ -645,15 +651,6 @@ def main(argv: list[str]) -> None:
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)
     sys.exit(0 if all(result.passed for result in results) else 1)
-
-
-def phase_starts(config: config_lib.Config) -> list[int]:
-    """Where check_step starts: step 0, and for a task whose steps are phases (a
-    head, then the whole network) also the first step of every later phase."""
-    spec = build.run_data(config).spec
-    schedule = build.make_task(config, spec).train_steps(
-        build.plan(config, spec, num_replicas=2))
-    return [0] if schedule.repeat else schedule.starts()
 
 
 if __name__ == "__main__":

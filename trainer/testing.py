@@ -72,7 +72,7 @@ def strategy(replicas: int = 1) -> tf.distribute.Strategy:
 
 
 def _precision(config_: Config, precision: str) -> str:
-    return check_step.run_precision(config_) if precision == "run" else precision
+    return check_step.run_precision(config_.precision) if precision == "run" else precision
 
 
 def build(config_: Config, replicas: int = 1, precision: str = "float64"

@@ -60,7 +60,7 @@ class FixMatch(classification.Classification):
     Settings = Settings
     # The default step's settings it carries out (its batch is two streams: no
     # micro-batches).
-    step_settings = ("clip_grad_norm", "sam_rho", "lookahead_every", "lookahead_decay")
+    step_settings = tuple(name for name in step.SETTINGS if name != "grad_accum_steps")
     # FixMatch's CIFAR-10 settings (SGD-Nesterov 0.03, decay 5e-4, cosine, an EMA
     # of the weights, B = 64), on a model that trains fast here; the model's own
     # recipe's speed-run tricks (airbench's) are turned off: they are not FixMatch's.
