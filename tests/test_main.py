@@ -104,7 +104,7 @@ def test_tpu_local_falls_back_with_a_warning_unless_required(tmp_path, run):
     ({"optimizer_options": "beta_3=1"}, "'beta_3=1' is not an option of adam; valid: "
      "beta_1=VALUE"),
     ({"task": "segmentation"}, "unknown task 'segmentation'; valid: autoencoder, "
-     "classification, distill, gan, simclr"),
+     "classification, distill, fixmatch, gan, simclr, wgan_gp"),
     ({"precision": "fp8"}, "unknown precision 'fp8'"),
     ({"lr_schedule": "onecycle"}, "unknown lr_schedule 'onecycle'"),
     ({"strategy": "ps"}, "unknown strategy 'ps'"),
@@ -258,8 +258,9 @@ def test_help_shows_every_flag_once_under_its_topic_and_exits_0(asked, capsys):
     headings = [line for line in shown.splitlines() if line.endswith(":")
                 and not line.startswith(" ")]
     assert headings == ["model:", "data:", "task:", "task autoencoder:",
-                        "task classification (also distill):", "task distill:",
-                        "task gan:", "task simclr:", "optimization:",
+                        "task classification (also distill, fixmatch):", "task distill:",
+                        "task fixmatch:", "task gan (also wgan_gp):", "task simclr:",
+                        "task wgan_gp:", "optimization:",
                         "the training step:", "devices:", "the loop:",
                         "run directory and outputs:", "measuring:", "your own code:"]
     flag_lines = [line.split("=")[0].split(":")[0].strip() for line in shown.splitlines()
