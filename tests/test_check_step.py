@@ -142,7 +142,7 @@ def _phased(tiny_config):
     from conftest import example_task
     example_task("phased_finetune")
     return tiny_config.replace(task="phased_finetune", batch_size=16).with_settings(
-        head_epochs=0.01)  # (a 2-step head phase on the synthetic data)
+        head_epochs=0.01)  # (a 6-step head phase on the synthetic data)
 
 
 @pytest.mark.long(40)  # seconds, with -n 2
@@ -174,7 +174,7 @@ def test_each_phase_is_checked_and_a_leak_into_the_frozen_backbone_fails(
     result = check_step.run_check(config, devices=CPUS[:2])
     report = check_step.report(result)
     assert not result.passed and result.frozen_moved, report
-    assert "declared frozen, but changed: head (step 1): main/" in report
+    assert "declared frozen in head steps, but changed (steps 1, 2, 3): main/" in report
     assert "moving_mean" in report or "moving_variance" in report
 
 
@@ -220,3 +220,28 @@ def test_a_bfloat16_all_gather_fails_in_the_runs_precision_on_two_replicas(
     assert not result.passed and result.precision_error, report
     line = [line for line in report.splitlines() if "mixed_bfloat16" in line][-1]
     assert "bfloat16" in result.precision_error and "Traceback" not in report, line
+    assert "in all_gather" in result.precision_error, line
+    assert report.splitlines()[-2].startswith("FAIL: decided by the step in mixed_bfloat16")
+
+
+def test_a_counter_outside_the_state_is_named_on_the_repeat(tiny_config, monkeypatch):
+    from trainer.tasks import classification
+    create_state, loss = (classification.Classification.create_state,
+                          classification.Classification.loss)
+
+    def with_a_counter(self, build):  # the bug: a variable the state does not hold
+        self.calls = tf.Variable(0.0, trainable=False, name="my_calls",
+                                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        return create_state(self, build)
+
+    def counted_loss(self, batch, outputs):
+        self.calls.assign_add(1.0)
+        per_example, metrics = loss(self, batch, outputs)
+        return per_example * (1.0 + tf.cast(self.calls, per_example.dtype)), metrics
+
+    monkeypatch.setattr(classification.Classification, "create_state", with_a_counter)
+    monkeypatch.setattr(classification.Classification, "loss", counted_loss)
+    result, report = _check(tiny_config)
+    assert not result.passed and result.outside_state == ("my_calls:0",), report
+    assert "outside the run's state (my_calls:0)" in report
+    assert "inf" not in report and "step count" not in report

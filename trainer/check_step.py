@@ -134,11 +134,30 @@ class CheckResult:
 
 def step_error(err: BaseException) -> str:
     """One line for an exception raised in a task's step: its type, its message's
-    last line (TensorFlow's staging errors put the cause last) and the last place
-    in the task's own code it went through (not TensorFlow's, Keras' or the
-    framework's)."""
-    places = [(frame.filename, frame.lineno) for frame in traceback.extract_tb(
-        err.__traceback__)]
+    last line (TensorFlow's staging errors put the cause last), the TensorFlow op
+    it failed in (an all_gather that refuses bfloat16), and the last place in the
+    task's own code it went through (not TensorFlow's, Keras' or the framework's).
+    Reads the tracebacks of the exception and of those it was raised from (a
+    replica's, re-raised by MirroredStrategy) and autograph's map back to the
+    source; run_check turns TensorFlow's traceback filtering off to keep them."""
+    chain, seen = [], err
+    while seen is not None and len(chain) < 5:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    places, ops = [], []
+    for raised in reversed(chain):
+        frames = traceback.extract_tb(raised.__traceback__)
+        for frame in frames:
+            places.append((frame.filename, frame.lineno))
+        # The op it failed in: where the innermost frames are TensorFlow's making
+        # of an op (e.g. collective_ops.all_gather_v2 -> gen_collective_ops...).
+        making = [frame.filename.replace(os.sep, "/") for frame in frames[-4:]]
+        if raised is chain[-1] and any("/tensorflow/python/framework/op_def" in path
+                                       for path in making):
+            ops = [frame.name for frame in frames
+                   if "/tensorflow/python/ops/" in frame.filename.replace(os.sep, "/")]
+        metadata = getattr(raised, "ag_error_metadata", None)
+        places += [(f.filename, f.lineno) for f in getattr(metadata, "translated_stack", ())]
     places += [(path, int(line)) for path, line in
                re.findall(r'File "([^"]+)", line (\d+)', str(err))]
     own = [f"{path}:{line}" for path, line in places if _task_code(path)]
@@ -146,7 +165,10 @@ def step_error(err: BaseException) -> str:
     causes = [line for line in lines if re.match(r"[A-Za-z_.]*(Error|Exception): ", line)]
     message = (causes[-1] if causes else f"{type(err).__name__}: "
                f"{lines[0] if lines else ''}")
-    return files.shorter(message, 240) + (f" (at {own[-1]})" if own else "")
+    api = [name for name in ops if not name.startswith("_")][-2:]  # (the op's own)
+    where = f" in {' -> '.join(dict.fromkeys(api))}" if api else ""
+    return (files.shorter(message, 200) + where
+            + (f" (at {own[-1]})" if own else ""))
 
 
 def _task_code(path: str) -> bool:
@@ -442,6 +464,8 @@ def run_check(config: config_lib.Config, num_steps: int = 0,
     precision = run_precision(config.precision)
     trial = lambda strategy, **more: _Trial(  # noqa: E731
         strategy, config, spec, plan, data, num_steps, start_step=start_step, **more)
+    filtering = tf.debugging.is_traceback_filtering_enabled()
+    tf.debugging.disable_traceback_filtering()  # (step_error reads the whole trace)
     try:
         try:
             one = trial(tf.distribute.OneDeviceStrategy(devices[0]))
@@ -480,6 +504,8 @@ def run_check(config: config_lib.Config, num_steps: int = 0,
                 precision_error = step_error(err)
     finally:
         keras.mixed_precision.set_global_policy(policy)  # (build_run set float64)
+        if filtering:
+            tf.debugging.enable_traceback_filtering()
     difference, worst = _apart(names, initial, after_one, after_two)
     replica_worst = ("", 0.0)
     for name, w0, per_replica in zip(names, initial, copies):
@@ -606,8 +632,17 @@ def report(result: CheckResult) -> str:
     elif result.batch_norm_passes:
         lines.append(f"  batch-norm: at most one training-mode pass a step in each of "
                      f"{len(result.batch_norm_passes)} layer(s)")
-    for frozen in result.frozen_moved:
-        lines.append(f"  declared frozen, but changed: {frozen}")
+    by_part: dict[str, dict[str, list[str]]] = {}  # part: variable: its steps
+    for frozen in result.frozen_moved:  # ("head (step 1): main/...")
+        part, _, name = frozen.partition(": ")
+        label, _, at = part.partition(" (step ")
+        by_part.setdefault(label, {}).setdefault(name, []).append(at.rstrip(")"))
+    for part, changed in by_part.items():
+        steps = sorted({int(t) for ts in changed.values() for t in ts})
+        names = list(changed)
+        lines.append(f"  declared frozen in {part} steps, but changed (steps "
+                     f"{', '.join(map(str, steps))}): {', '.join(names[:4])}"
+                     + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
     if result.precision:
         lines.append(f"  the steps on 2 replicas in {result.precision} (the run's "
                      f"precision): " + (f"raised {result.precision_error}" if
@@ -618,8 +653,8 @@ def report(result: CheckResult) -> str:
     name, difference = result.deciding
     verdict = "PASS" if result.passed else "FAIL"
     lines.append(f"{verdict}: decided by {name}" + (
-        f": relative difference {difference:.2e}" if np.isfinite(difference) else "")
-        + f", tolerance {result.tolerance:.0e}")
+        f": relative difference {difference:.2e}, tolerance {result.tolerance:.0e}"
+        if np.isfinite(difference) else " (a finding, not a difference: see above)"))
     lines.append("  (not decided here: a bug that gives the same result however the batch "
                  "is split, e.g. an EMA updated before the optimizer step, a wrong loss)")
     return "\n".join(lines)
