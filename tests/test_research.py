@@ -533,3 +533,21 @@ def test_fixmatch_passes_the_check_and_its_planted_bugs_fail(tiny_config, monkey
     monkeypatch.setattr(fixmatch.FixMatch, "train_step", threshold_on_the_replicas_mean)
     result, report = _check(_fixmatch(tiny_config))
     assert not result.passed, report
+
+
+def test_a_stream_of_another_dataset_comes_at_the_runs_size_and_normalization(
+        tiny_config):
+    """A synthetic run with a second stream of tf_flowers' first 16 images (any
+    size): resized to the run's 32x32, normalized with the run's statistics."""
+    from trainer import build, inputs
+    config = tiny_config.replace(batch_size=8)
+    data = build.run_data(config)
+    streams = {"run": inputs.Stream(),
+               "flowers": inputs.Stream(examples="first:16", dataset="tf_flowers")}
+    batch = next(iter(inputs.train_input_fn(data, data.counts()[0], task_input=streams)(
+        tf.distribute.InputContext())))
+    assert batch["run"]["image"].shape == batch["flowers"]["image"].shape == (8, 32, 32, 3)
+    pixels = batch["flowers"]["image"].numpy() * np.array(data.spec.std) + np.array(
+        data.spec.mean)
+    assert pixels.min() >= -1e-3 and pixels.max() <= 1.001 and pixels.std() > 0.05  # [0, 1]
+    assert set(batch["flowers"]["label"].numpy()) <= set(range(5))  # (its own classes)

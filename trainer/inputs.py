@@ -174,7 +174,10 @@ class Stream:
     subset as semi-supervised papers take it). A subset is decoded into memory
     (small by nature); "all" follows --cache (streams from the files with
     --cache=none).
-    split: another split of the run's dataset ("" : the training split).
+    split: another split ("": the training split) of the run's dataset, or of
+    `dataset`: another dataset (as --dataset names one), resized to the run's
+    image size and normalized as the run's images (the model takes both); its
+    labels are its own.
     make_batch(images, labels, key, standard, normalize) -> dict: its batch, as
     `Task.training_batch` (weak and strong views); None: the run's standard batch.
     Each stream is a pure function of (--seed, its name, the step): it resumes
@@ -184,6 +187,7 @@ class Stream:
     examples: str = "all"
     split: str = ""
     make_batch: Callable | None = None
+    dataset: str = ""
 
     def __post_init__(self):
         kind, _, count = self.examples.partition(":")
@@ -247,7 +251,8 @@ def train_input_fn(data: RunData, train_examples: int,
     (for `check_train_count`)."""
     if isinstance(task_input, dict):
         counted = next((name for name, stream in task_input.items()  # (one is counted)
-                        if stream.examples == "all" and not stream.split), None)
+                        if stream.examples == "all" and not stream.split
+                        and not stream.dataset), None)
         makers = {name: _stream_input_fn(data, name, stream, train_examples, start_step,
                                          end_step, counts if name == counted else None,
                                          mode, files)
@@ -299,9 +304,19 @@ def _stream_input_fn(data: RunData, name: str, stream: Stream, train_examples: i
     seed, examples and batch)."""
     data = dataclasses.replace(data, batch_size=data.batch_size * stream.batch_factor,
                                seed=_stream_seed(data.seed, name))
+    if stream.dataset:  # at the run's size, normalized as the run's images
+        other = sources.get_spec(stream.dataset, data.settings.data_dir)
+        if other.image_shape[2] != data.image_shape[2]:
+            raise sources.DatasetError(
+                f"stream {name!r}: {stream.dataset} has {other.image_shape[2]} channels, "
+                f"the run's images {data.image_shape[2]}")
+        data = dataclasses.replace(
+            data, spec=dataclasses.replace(other, mean=data.spec.mean, std=data.spec.std),
+            settings=dataclasses.replace(data.settings, image_size=data.image_shape[0]))
+        files = None  # (its own files: held in memory)
     spec = data.spec
     split = stream.split or spec.train_split
-    if stream.examples == "all" and split == spec.train_split:  # as the run's own
+    if stream.examples == "all" and split == spec.train_split and not stream.dataset:
         return train_input_fn(data, train_examples, start_step, end_step, counts, mode,
                               files, stream.make_batch)
     size = stream.size(spec.num_classes)
