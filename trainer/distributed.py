@@ -126,12 +126,14 @@ def _run_steps(strategy: tf.distribute.Strategy, replica_fns: list[Callable], it
         return tf.nest.map_structure(lambda t: strategy.reduce(SUM, t, axis=None),
                                      per_replica)
 
-    # One compiled function per step: a scheduled step runs only its own (chosen
-    # here, outside the replicas: no collective under a cond in a replica).
-    kinds = [tf.function(functools.partial(summed, fn)) for fn in step_fns]
-
     def scheduled(batch):
-        traced = [kind.get_concrete_function(batch).structured_outputs for kind in kinds]
+        """The step the schedule names, of several: one switch_case around their
+        strategy.run calls, here, outside the replicas (no collective under a cond
+        in a replica), so only the chosen step's work is done."""
+        # What each step returns, from a trace of its own (thrown away: tf.switch_case
+        # needs every branch to return the same structure, known before it traces).
+        traced = [tf.function(functools.partial(summed, step_fn)).get_concrete_function(
+            batch).structured_outputs for step_fn in step_fns]
         # Every step's metrics: those a step lacks count 0 there (weight 0), and a
         # metric two steps return in two float types is summed in the wider.
         specs: dict[str, tuple[tf.TensorShape, tuple[tf.DType, tf.DType]]] = {}
@@ -171,7 +173,7 @@ def _run_steps(strategy: tf.distribute.Strategy, replica_fns: list[Callable], it
                 waited = tf.timestamp() - asked
         else:
             batch, waited = next(iterator), tf.constant(0.0, tf.float64)
-        if len(kinds) == 1:
+        if len(step_fns) == 1:
             totals, (at, bad) = summed(step_fns[0], batch)
         else:
             totals, (at, bad) = scheduled(batch)
