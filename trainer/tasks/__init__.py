@@ -7,7 +7,8 @@ file, and it may import any trainer module at its top.
 
 Built in: classification (the default), distill (a student and a finished run as
 its teacher), autoencoder (reconstruction, no labels), gan (two networks and
-optimizers), simclr (two views, contrastive).
+optimizers), wgan_gp (a critic and a generator, two steps on a schedule), simclr
+(two views, contrastive), fixmatch (semi-supervised: two input streams).
 """
 from trainer.tasks.base import (Best, Presenter, Task, all_setting_fields,  # noqa: F401
                                 check_model, check_model_kind, get, make_settings,
