@@ -104,3 +104,23 @@ def test_run_reports_raw_and_averaged_accuracy(tiny_config):
     newest = inference.TrainedModel(tiny_config.model_dir)
     assert newest.weights.startswith("ckpt-4 (step 4;")
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(averaged, newest.model.weights))
+
+
+def test_an_optimizer_that_has_not_updated_yet_is_evaluated_with_its_raw_weights():
+    """Keras fills the moving average at an optimizer's first update (zeros before):
+    a schedule's optimizer that has not run yet (a backbone's in a head phase, a
+    WGAN-GP generator's before step 6) keeps its raw weights in evaluation."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from trainer import averaging, optimizers
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = optimizers.create("sgd", 0.1, model.trainable_variables, ema_decay=0.9)
+    raw = model.get_weights()
+    with averaging._averaged_weights(optimizer):  # noqa: SLF001
+        for a, b in zip(model.get_weights(), raw):
+            np.testing.assert_array_equal(a, b)
+    optimizer.apply([tf.ones_like(v) for v in model.trainable_variables],
+                    model.trainable_variables)
+    with averaging._averaged_weights(optimizer):  # noqa: SLF001 (now the average)
+        assert not all(np.array_equal(a, b) for a, b in zip(model.get_weights(), raw))

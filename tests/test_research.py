@@ -551,3 +551,24 @@ def test_a_stream_of_another_dataset_comes_at_the_runs_size_and_normalization(
         data.spec.mean)
     assert pixels.min() >= -1e-3 and pixels.max() <= 1.001 and pixels.std() > 0.05  # [0, 1]
     assert set(batch["flowers"]["label"].numpy()) <= set(range(5))  # (its own classes)
+
+
+def test_a_subset_stream_smaller_than_its_batch_is_one_line(tiny_config):
+    from trainer import build, inputs
+    from trainer.settings import ConfigError
+    data = build.run_data(tiny_config.replace(batch_size=16))
+    streams = {"few": inputs.Stream(examples="balanced:10")}
+    with pytest.raises(ConfigError, match="stream 'few': examples='balanced:10' gives "
+                                          "10 examples .* fewer than its batch of 16"):
+        inputs.train_input_fn(data, data.counts()[0], task_input=streams)(
+            tf.distribute.InputContext())
+
+
+def test_a_wgan_gp_critic_with_batch_norm_is_refused(tiny_config):
+    from trainer import build
+    from trainer.settings import ConfigError
+    config = _wgan(tiny_config).with_settings(discriminator="cifar_cnn")
+    spec = build.run_data(config).spec
+    with pytest.raises(ConfigError, match="batch-norm"):
+        build.build_run(config, spec, build.plan(config, spec, 1),
+                        tf.distribute.get_strategy())

@@ -58,7 +58,10 @@ def _averaged_weights(optimizer: keras.optimizers.Optimizer):
     replica's copy, and no variable is created.
     """
     inner = _averaging_optimizer(optimizer)
-    if inner is None:
+    if inner is None or int(inner.iterations.numpy()) == 0:
+        # (Keras fills the average at an optimizer's first update: before it, zeros.
+        # An optimizer a schedule has not run yet, a backbone's in a head phase, is
+        # evaluated with its raw weights, which are its initial ones.)
         yield
         return
     # Keras private attributes, also used by its own SwapEMAWeights callback.

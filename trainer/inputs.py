@@ -218,17 +218,22 @@ def _selected(ds: tf.data.Dataset, stream: Stream, num_classes: int) -> tf.data.
 
     def keep(taken, example):  # the first `per_class` of each class
         label = tf.cast(example[1], tf.int64)
+        full = tf.reduce_all(taken >= per_class)  # (before this one: stop reading)
         fresh = taken[label] < per_class
         taken = tf.tensor_scatter_nd_add(taken, [[label]], [tf.cast(fresh, tf.int64)])
-        return taken, (fresh, example)
+        return taken, (full, fresh, example)
 
-    def is_fresh(fresh, example):
+    def reading(full, fresh, example):
+        return tf.logical_not(full)
+
+    def is_fresh(full, fresh, example):
         return fresh
 
-    def example_of(fresh, example):
+    def example_of(full, fresh, example):
         return example
 
-    return ds.scan(tf.zeros([num_classes], tf.int64), keep).filter(is_fresh).map(example_of)
+    return (ds.scan(tf.zeros([num_classes], tf.int64), keep).take_while(reading)
+            .filter(is_fresh).map(example_of))
 
 
 def _stream_seed(seed: int, name: str) -> int:
@@ -312,7 +317,8 @@ def _stream_input_fn(data: RunData, name: str, stream: Stream, train_examples: i
                 f"the run's images {data.image_shape[2]}")
         data = dataclasses.replace(
             data, spec=dataclasses.replace(other, mean=data.spec.mean, std=data.spec.std),
-            settings=dataclasses.replace(data.settings, image_size=data.image_shape[0]))
+            settings=dataclasses.replace(data.settings, image_size=data.image_shape[0],
+                                         augment=data.augment_name))
         files = None  # (its own files: held in memory)
     spec = data.spec
     split = stream.split or spec.train_split
@@ -331,6 +337,13 @@ def _stream_input_fn(data: RunData, name: str, stream: Stream, train_examples: i
             images, labels, key, standard, normalize)
 
     def subset_fn(context):
+        per_replica = pipeline.per_replica_batch_size(data.batch_size, context)
+        if size is not None and size // context.num_input_pipelines < per_replica:
+            raise settings.ConfigError(
+                f"stream {name!r}: examples={stream.examples!r} gives "
+                f"{size // context.num_input_pipelines} examples to each input worker, "
+                f"fewer than its batch of {per_replica}; ask for more examples or give "
+                f"a smaller --batch_size")
         ds, total = data.load(split)  # all of it on every worker: the shard comes after
         if size is not None:
             ds = _selected(ds, stream, spec.num_classes)

@@ -141,6 +141,10 @@ class Steps:
         names = [name for name, _, _ in self.parts]
         if not names or len(set(names)) != len(names):
             raise ValueError(f"Steps needs parts with distinct names, got {names}")
+        if any(isinstance(globs, str) or not all(isinstance(g, str) for g in globs)
+               for globs in self.frozen.values()):
+            raise ValueError(f"Steps.frozen maps a part to a tuple of globs, e.g. "
+                             f"{{'head': ('main/*',)}}; got {self.frozen!r}")
         unknown = [part for part in self.frozen if part not in names]
         if unknown:
             raise ValueError(f"Steps.frozen names {unknown[0]!r}, not a part of {names}")

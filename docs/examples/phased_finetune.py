@@ -79,7 +79,7 @@ class PhasedFinetune(classification.Classification):
         # the tape: only the head's gradient is taken, summed once, applied.
         features = tf.stop_gradient(self.features(batch["image"], training=False))
         objective = step.Objective(lambda b: self.loss(b, self.head(features)),
-                                   self.head.trainable_variables, (),
+                                   self.head.trainable_variables, (state.models["main"],),
                                    state.optimizers["main"], "task phased_finetune's loss")
         return step.train_step(state, self, batch, options, objective)
 

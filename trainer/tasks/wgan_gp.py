@@ -27,10 +27,11 @@ Fréchet distance with --fid_classifier_dir (then the best weights are its).
 """
 import dataclasses
 
+import keras
 import tensorflow as tf
 
 from trainer import randomness, step
-from trainer.settings import check_range, setting
+from trainer.settings import ConfigError, check_range, setting
 from trainer.tasks import base, gan
 
 
@@ -44,6 +45,11 @@ class Settings(gan.Settings):
         super().__post_init__()
         check_range("gradient_penalty", self.gradient_penalty, 0)
         check_range("critic_steps", self.critic_steps, 1)
+
+
+def _has_batch_norm(model) -> bool:
+    return any(isinstance(layer, keras.layers.BatchNormalization) or _has_batch_norm(layer)
+               for layer in getattr(model, "layers", []))
 
 
 def slope_norms(critic, images: tf.Tensor) -> tf.Tensor:
@@ -65,6 +71,16 @@ class WganGp(gan.Gan):
     recipe = dict(model="dcgan", dataset="cifar10", batch_size=64, optimizer="adam",
                   learning_rate=1e-4, optimizer_options="beta_1=0.0,beta_2=0.9",
                   lr_schedule="constant", warmup_epochs=0.0, epochs=20, augment="flip")
+
+    def create_state(self, build):
+        state = super().create_state(build)
+        critic = state.models.get("discriminator")
+        if critic is not None and _has_batch_norm(critic):
+            raise ConfigError(f"--discriminator={self.settings.discriminator} has "
+                              f"batch-norm, which mixes a batch's examples; WGAN-GP's "
+                              f"gradient penalty needs each example's own gradient: give "
+                              f"a critic without it (dcgan_discriminator)")
+        return state
 
     def train_steps(self, plan) -> step.Steps:
         return step.Steps((("critic", self.critic_step, self.settings.critic_steps),
