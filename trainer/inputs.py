@@ -271,12 +271,7 @@ def train_input_fn(data: RunData, train_examples: int,
     mix = augment.make_mix(spec.num_classes, settings_.mixup_alpha, settings_.cutmix_alpha)
 
     def batch_maker(augment_fn):
-        """The task's own training batch, if it has one (else None: the standard)."""
-        if own_batch is None:
-            return None
-        standard = pipeline.standard_batch(augment_fn, normalize, mix)
-        return lambda images, labels, key: own_batch(images, labels, key, standard,
-                                                     normalize)
+        return _task_batch(own_batch, augment_fn, normalize, mix)
 
     def stream_fn(context):
         batch_part = augment.DECODE_TIME_CROPS.get(augment_name, (None, augment_name))[1]
@@ -300,6 +295,17 @@ def train_input_fn(data: RunData, train_examples: int,
                                    counts=counts, make_batch=batch_maker(
                                        augment.TRAIN_AUGMENTATIONS[augment_name]))
     return stream_fn if mode == STREAM_MODE else train_fn
+
+
+def _task_batch(own_batch: Callable | None, augment_fn: Callable, normalize: Callable,
+                mix: Callable | None) -> Callable | None:
+    """make_batch(images, labels, key) of a task's own batch (`training_batch`, a
+    stream's `make_batch`), given the standard batch and the normalization; None
+    without one (the pipeline's standard batch)."""
+    if own_batch is None:
+        return None
+    standard = pipeline.standard_batch(augment_fn, normalize, mix)
+    return lambda images, labels, key: own_batch(images, labels, key, standard, normalize)
 
 
 def _stream_input_fn(data: RunData, name: str, stream: Stream, train_examples: int,
@@ -330,11 +336,7 @@ def _stream_input_fn(data: RunData, name: str, stream: Stream, train_examples: i
     normalize = augment.make_normalize(spec.mean, spec.std)
     mix = augment.make_mix(spec.num_classes, settings_.mixup_alpha, settings_.cutmix_alpha)
     augment_fn = augment.TRAIN_AUGMENTATIONS[data.augment_name]
-    make_batch = None
-    if stream.make_batch is not None:
-        standard = pipeline.standard_batch(augment_fn, normalize, mix)
-        make_batch = lambda images, labels, key: stream.make_batch(  # noqa: E731
-            images, labels, key, standard, normalize)
+    make_batch = _task_batch(stream.make_batch, augment_fn, normalize, mix)
 
     def subset_fn(context):
         per_replica = pipeline.per_replica_batch_size(data.batch_size, context)
