@@ -103,20 +103,35 @@ def test_unwritable_model_dir_is_a_clear_error(tmp_path):
         run_dir.prepare_model_dir(str(blocker / "run"), {"model": "x"})
 
 
-def _truncate(model_dir: str, step: int) -> None:
+DAMAGE = ("cut", "zero-filled")  # (emptied and bit-flipped: as cut, seen in issue 46)
+
+
+def _damage(model_dir: str, step: int, how: str = "cut") -> None:
+    """A checkpoint's data file as a bad disk leaves it: cut (a crash during a
+    copy), zero-filled at its own size (a crashed VM's file system), emptied, or
+    one bit flipped."""
     data = [f for f in os.listdir(model_dir) if f.startswith(f"ckpt-{step}.data")][0]
     path = os.path.join(model_dir, data)
     with open(path, "rb") as f:
-        kept = f.read()[:100]
-    with open(path, "wb") as f:  # what a crash during a copy leaves
+        kept = bytearray(f.read())
+    if how == "cut":
+        kept = kept[:100]
+    elif how == "zero-filled":
+        kept = bytearray(len(kept))
+    elif how == "emptied":
+        kept = bytearray()
+    else:
+        kept[len(kept) // 2] ^= 0x10
+    with open(path, "wb") as f:
         f.write(kept)
 
 
 @pytest.mark.long(20)  # seconds, with -n 2
-def test_truncated_newest_checkpoint_is_named_and_the_run_resumes_before_it(
-        tiny_config, finished_tiny, caplog):
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_before_it(
+        tiny_config, finished_tiny, caplog, how):
     import logging  # (finished_tiny: checkpoints at steps 2 and 4)
-    _truncate(tiny_config.model_dir, 4)
+    _damage(tiny_config.model_dir, 4, how)
     with caplog.at_level(logging.WARNING, logger="absl"):
         resumed = loop.train_and_evaluate(tiny_config.replace(train_steps=6))
     assert resumed["resumed_from_step"] == 2 and resumed["steps"] == 6
@@ -124,10 +139,42 @@ def test_truncated_newest_checkpoint_is_named_and_the_run_resumes_before_it(
     assert tf.train.latest_checkpoint(tiny_config.model_dir).endswith("ckpt-6")
 
 
+@pytest.mark.long(25)  # seconds, with -n 2
+def test_evaluate_predict_and_export_pass_over_a_zero_filled_newest_checkpoint(
+        tiny_config, finished_tiny, tmp_path, caplog):
+    """evaluate (the newest, --checkpoint=, --watch), predict and export on a run
+    whose newest checkpoint is zero-filled: the one before it, with a line, or one
+    line naming the file."""
+    import logging
+    from trainer import evaluate
+    from trainer.serving import inference
+    model_dir = tiny_config.model_dir  # checkpoints at steps 2 and 4, done
+    os.remove(os.path.join(model_dir, checkpoints.WEIGHTS_FILE))  # serve a checkpoint
+    os.remove(os.path.join(model_dir, checkpoints.BEST_WEIGHTS_FILE))
+    _damage(model_dir, 4, "zero-filled")
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        newest = evaluate.evaluate_checkpoints(model_dir, str(tmp_path / "ev"))
+    assert [r["checkpoint"] for r in newest] == ["ckpt-2"]
+    assert "missed ckpt-4: OpError: The length checksum does not match" in caplog.text
+    with pytest.raises(checkpoints.CheckpointError, match=r"cannot read .*ckpt-4 \(OpE"):
+        evaluate.evaluate_checkpoints(model_dir, str(tmp_path / "ev2"),
+                                      checkpoint=os.path.join(model_dir, "ckpt-4"))
+    watched = evaluate.evaluate_checkpoints(model_dir, str(tmp_path / "ev3"), watch=True,
+                                            timeout=5)
+    assert [r["checkpoint"] for r in watched] == ["ckpt-2"]
+    written = json.loads((tmp_path / "ev3" / evaluate.EVALUATIONS_FILE).read_text())
+    assert [m["checkpoint"] for m in written["missed"]] == ["ckpt-4"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        served = inference.TrainedModel(model_dir)  # what predict and export load
+    assert served.weights.startswith("ckpt-2 (step 2;"), served.weights
+    assert "ckpt-4 is unreadable" in caplog.text
+
+
 @pytest.mark.long(10)  # seconds, with -n 2
 def test_no_readable_checkpoint_is_a_one_line_error(tiny_config, finished_tiny):
     for step in (2, 4):
-        _truncate(tiny_config.model_dir, step)
+        _damage(tiny_config.model_dir, step)
     with pytest.raises(checkpoints.CheckpointError,
                        match=r"no checkpoint in .* is readable \(ckpt-4, ckpt-2\)"):
         loop.train_and_evaluate(tiny_config.replace(train_steps=6))

@@ -34,11 +34,13 @@ class CheckpointSaveError(files.WriteError):
     """A checkpoint could not be written; the earlier ones are intact."""
 
 
-# What reading a truncated or corrupt checkpoint raises (a short data file gives a
-# Python IndexError, "Read less bytes than requested").
-UNREADABLE = (IndexError, tf.errors.DataLossError, tf.errors.OutOfRangeError,
-               tf.errors.NotFoundError, tf.errors.InvalidArgumentError,
-               tf.errors.UnknownError)
+# What reading a truncated or corrupt checkpoint raises: any error of TensorFlow's
+# reader (a zero-filled data file, what a crashed VM's file system leaves, gives the
+# base OpError, "The length checksum does not match"; a cut one DataLossError or
+# OutOfRangeError; a missing shard NotFoundError), and a short data file a Python
+# IndexError, "Read less bytes than requested". A checkpoint of another model is
+# not among them: restoring it raises AssertionError or ValueError.
+UNREADABLE = (IndexError, tf.errors.OpError)
 
 
 def written_by_a_run(name: str) -> bool:
@@ -205,7 +207,7 @@ def make_manager(model_dir: str, checkpoint: tf.train.Checkpoint, keep: int,
     return tf.train.CheckpointManager(checkpoint, directory, max_to_keep=keep)
 
 
-def _candidates(model_dir: str) -> list[str]:
+def candidates(model_dir: str) -> list[str]:
     """The checkpoints listed in model_dir's index, newest first; the ckpt-N files
     themselves if the index is missing or unreadable (never start afresh over them)."""
     state = tf.train.get_checkpoint_state(model_dir)
@@ -230,8 +232,8 @@ def restore_latest(checkpoint: tf.train.Checkpoint, model_dir: str,
     An unreadable one is skipped with a warning naming it. A checkpoint of another
     model, or none readable at all, is a one-line CheckpointError.
     """
-    candidates = _candidates(model_dir)
-    for path in candidates:
+    paths = candidates(model_dir)
+    for path in paths:
         try:
             status = checkpoint.restore(path)
             if partial:
@@ -247,11 +249,11 @@ def restore_latest(checkpoint: tf.train.Checkpoint, model_dir: str,
                             "before it", path, type(err).__name__,
                             str(err).splitlines()[0][:200] if str(err) else "")
             continue
-        if path != candidates[0]:
+        if path != paths[0]:
             logging.warning("resuming from %s, the newest readable checkpoint", path)
         return path
-    if candidates:
-        names = ", ".join(os.path.basename(p) for p in candidates)
+    if paths:
+        names = ", ".join(os.path.basename(p) for p in paths)
         raise CheckpointError(
             f"no checkpoint in {model_dir} is readable ({names}); restore them from a "
             f"backup, or use another --model_dir to start afresh")

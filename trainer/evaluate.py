@@ -144,31 +144,37 @@ def evaluate_checkpoints(model_dir: str, output_dir: str, checkpoint: str | None
         missed.append({"checkpoint": name, "why": why})
         write()
 
-    def record(path: str) -> None:
+    def record(path: str, skip_unreadable: bool) -> bool:
+        """Evaluates `path`; one it cannot read (deleted meanwhile by the trainer's
+        --keep_checkpoints, or damaged) is a missed one if `skip_unreadable`, else
+        a one-line CheckpointError. Whether it was evaluated."""
         try:
             result = evaluator.evaluate(path)
         except (CheckpointGone, *checkpoints.UNREADABLE) as err:
-            if not watch:
-                raise checkpoints.CheckpointError(
-                    f"cannot read {path} ({type(err).__name__}: "
-                    f"{str(err).splitlines()[0][:160] if str(err) else ''})") from err
-            # Deleted by the trainer's --keep_checkpoints meanwhile, or unreadable.
-            miss(os.path.basename(path), str(err).splitlines()[0][:200] if str(err)
-                 else type(err).__name__)
-            return
+            why = (f"{type(err).__name__}: {str(err).splitlines()[0][:160]}" if str(err)
+                   else type(err).__name__)
+            if not skip_unreadable:
+                raise checkpoints.CheckpointError(f"cannot read {path} ({why})") from err
+            miss(os.path.basename(path), why)
+            return False
         logging.info("%s (step %d, epoch %.2f): %s  (%d examples)", result["checkpoint"],
                      result["step"], result["epoch"],
                      progress_lib.format_test_metrics(result), result["test_examples"])
         records.append(result)
         writer.eval(result)
         write()
+        return True
 
     if not watch:
-        path = checkpoint or tf.train.latest_checkpoint(model_dir)
-        if path is None:
+        # The one named; else the newest readable (a damaged newest one is missed,
+        # with a line, and the one before it evaluated).
+        paths = [checkpoint] if checkpoint else checkpoints.candidates(model_dir)
+        if not paths:
             raise checkpoints.CheckpointError(f"no checkpoint in {model_dir} yet; train "
                                               f"first, or pass --watch to wait for one")
-        record(path)
+        for index, path in enumerate(paths):
+            if record(path, skip_unreadable=index < len(paths) - 1):
+                break
     else:
         logging.info("Watching %s for new checkpoints (stop: the run is done, or %d s "
                      "without a new one)", model_dir, timeout)
@@ -199,7 +205,7 @@ def evaluate_checkpoints(model_dir: str, output_dir: str, checkpoint: str | None
                          "before the evaluator saw it")
             for path in paths:
                 if checkpoints.step_of(path) > last_step:
-                    record(path)
+                    record(path, skip_unreadable=True)
                     last_step = checkpoints.step_of(path)
             last_new = time.time()
     writer.close()
