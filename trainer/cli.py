@@ -9,7 +9,6 @@ import logging as std_logging
 import os
 import re
 import shutil
-import signal
 import sys
 import textwrap
 from typing import Any, Callable
@@ -35,27 +34,9 @@ def set_deterministic_kernels(argv: list[str]) -> None:
         os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
-# trainer/faults.py's status for a stop signal (EX_TEMPFAIL: "try again").
-STOPPED_EXIT_CODE = 75
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-def stop_at_once_on_signals() -> None:
-    """Call first thing in a command that is the program: until the command's own
-    handlers take over (trainer/faults.py, after the flags are parsed), a stop
-    signal (SIGTERM, SIGINT, SIGHUP) while TensorFlow loads is one line and exit
-    STOPPED_EXIT_CODE at once (nothing has been written yet), not a
-    KeyboardInterrupt traceback."""
-    stderr = os.dup(2)  # (TensorFlow is imported with fd 2 muted: data/quiet.py)
-
-    def stop(signum, frame):
-        del frame
-        os.write(stderr, f"stopped: {signal.Signals(signum).name} during start-up, "
-                         f"before anything was written: run the same command to "
-                         f"start\n".encode())
-        os._exit(STOPPED_EXIT_CODE)
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, stop)
+# trainer/faults.py's status for a stop signal, and the start-up handlers (defined
+# in the package's __init__, installed by its first line when a command runs).
+from trainer import STOPPED_EXIT_CODE, STOP_SIGNALS, stop_at_once_on_signals  # noqa: E402,F401
 
 
 _PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -20,7 +20,8 @@ from trainer.settings import ConfigError
 SUM = tf.distribute.ReduceOp.SUM
 INPUT_WAIT = "input_wait_seconds"  # the loop's own entries in a train loop's sums
 NONFINITE_AT = "_nonfinite_at_step"  # (first step leaving a non-finite weight or 0, 1)
-LOOP_KEYS = (INPUT_WAIT, NONFINITE_AT)
+STEPS_DONE = "_steps_done"  # (steps run: num_steps, or fewer after a stop request; 1)
+LOOP_KEYS = (INPUT_WAIT, NONFINITE_AT, STEPS_DONE)
 Metric = tuple[tf.Tensor, tf.Tensor]  # (total, weight): shown as total / weight
 Sums = dict[str, Metric]
 
@@ -112,12 +113,14 @@ def _describe(value) -> str:
 
 def _run_steps(strategy: tf.distribute.Strategy, replica_fns: list[Callable], iterator,
                num_steps: tf.Tensor, time_input: bool = False, state=None,
-               choose: Callable | None = None) -> tuple[Sums, tf.Tensor, tf.Tensor]:
-    """`num_steps` steps; every (total, weight) summed over replicas and steps, the
-    seconds the steps waited for their input (time_input, else 0), and the first
-    step (its number, counted from 1) that left a weight non-finite (0: none;
-    always 0 without `state`). Several `replica_fns`: at each step the one
-    `choose(state's step counter)` names (trainer/step.py's Steps)."""
+               choose: Callable | None = None, stop_now: Callable | None = None
+               ) -> tuple[Sums, tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+    """`num_steps` steps, or fewer: after each step, `stop_now()` > 0 ends the
+    loop there. Returns every (total, weight) summed over replicas and steps, the
+    seconds the steps waited for their input (time_input, else 0), the first step
+    (its number, counted from 1) that left a weight non-finite (0: none; always 0
+    without `state`), the steps run, and the last `stop_now()` (0 without it). Several `replica_fns`: at each
+    step the one `choose(state's step counter)` names (trainer/step.py's Steps)."""
     step_fns = [_bookkept(fn, state) for fn in replica_fns]
 
     def summed(step_fn, batch):
@@ -184,12 +187,26 @@ def _run_steps(strategy: tf.distribute.Strategy, replica_fns: list[Callable], it
 
     # The first step fixes the structure the step returns (the loop's variables).
     totals, waited, first_nonfinite, done = one_step(tf.constant(0.0, tf.float64))
-    for _ in tf.range(num_steps - 1):
+    steps_done = tf.constant(1)
+    # A stop request ends the loop at the next step boundary, however many steps
+    # the call was given: the save follows at once (trainer/faults.py). Asked at
+    # the end of each step and tested in the loop's condition (a `break` would put
+    # the step under a cond: no collective may run there).
+    # (after the step's sums exist, so in one order with its collectives on every
+    # worker; the first step ran whatever the flag said: a call runs at least one)
+    def ask() -> tf.Tensor:
+        with tf.control_dependencies([done]):
+            return stop_now() if stop_now is not None else tf.constant(0.0)
+
+    stopping = ask()
+    while tf.logical_and(steps_done < num_steps, stopping <= 0):
         step_totals, step_waited, nonfinite_at, done = one_step(done)
         totals = tf.nest.map_structure(tf.add, totals, step_totals)
         waited += step_waited
         first_nonfinite = tf.where(first_nonfinite > 0, first_nonfinite, nonfinite_at)
-    return totals, waited, first_nonfinite
+        steps_done += 1
+        stopping = ask()
+    return totals, waited, first_nonfinite, steps_done, stopping
 
 
 def _maybe_jit(replica_fn: Callable, jit_compile: bool) -> Callable:
@@ -210,17 +227,22 @@ def make_train_loop(strategy: tf.distribute.Strategy, replica_fn, jit_compile: b
     """Returns train_loop(iterator, num_steps, stop_flag) -> (sums, stop_requested);
     sums[INPUT_WAIT] is (seconds the steps waited for their input, steps), or (0, 0)
     with time_input=False, the default under op determinism (which refuses
-    timestamps; it is process-wide once enabled). state: the run's TrainState,
-    whose step counter advances after every step; sums[NONFINITE_AT] is then
-    (the first step whose end left a weight non-finite, 0 if none; 1).
+    timestamps; it is process-wide once enabled); sums[STEPS_DONE] is (the steps
+    run, 1). state: the run's TrainState, whose step counter advances after every
+    step; sums[NONFINITE_AT] is then (the first step whose end left a weight
+    non-finite, 0 if none; 1).
 
     replica_fn: the per-replica step fn(batch) -> {name: (total, weight)}, or a
     schedule of several (trainer/step.py's Steps, bound to a batch: anything with
     `parts` and `index_at(step)`; needs `state`, whose step counter chooses).
 
-    stop_flag (a float tensor, 1.0 after SIGTERM on this worker) is summed across
-    workers, so a stop request on any worker reaches every worker and all of them
-    stop at the same step (a worker stopping alone would hang the others).
+    stop_flag: a float, 1.0 once a stop signal reached this worker; a variable
+    (trainer/faults.py's StopSignals.flag) is read again before every step, so a
+    signal during a long call ends it at the next step boundary. With several
+    workers it is summed across them at every step (one scalar all-reduce), so a
+    request on any worker stops every worker at the same step (one stopping alone
+    would leave the others waiting in a collective); `stop_requested` is the
+    flag (that sum) read after the last step.
     """
     if callable(replica_fn):
         replica_fns, choose = [replica_fn], None
@@ -232,16 +254,27 @@ def make_train_loop(strategy: tf.distribute.Strategy, replica_fn, jit_compile: b
     replica_fns = [_maybe_jit(fn, jit_compile) for fn in replica_fns]
     if time_input is None:
         time_input = not determinism_enabled()
+    # One program drives every replica (one worker, or a TPU's single client): its
+    # own flag is the answer. Several workers: the sum of theirs.
+    several_workers = strategy.extended._in_multi_worker_mode()  # noqa: SLF001
 
     @tf.function
-    def train_loop(iterator, num_steps: tf.Tensor, stop_flag: tf.Tensor):
-        sums, waited, nonfinite_at = _run_steps(strategy, replica_fns, iterator,
-                                                num_steps, time_input, state, choose)
-        stop = strategy.reduce(SUM, strategy.run(lambda: tf.identity(stop_flag)),
-                               axis=None)
-        timed = tf.cast(num_steps if time_input else 0, tf.float64)
-        return {**sums, INPUT_WAIT: (waited, timed),
-                NONFINITE_AT: (nonfinite_at, tf.constant(1.0, tf.float64))}, stop
+    def train_loop(iterator, num_steps: tf.Tensor, stop_flag):
+        def summed_flag():
+            return strategy.reduce(SUM, strategy.run(lambda: tf.identity(stop_flag)),
+                                   axis=None)
+
+        stop_now = summed_flag if several_workers else lambda: tf.identity(stop_flag)
+        # (the last answer of the loop's own: another read here, unordered, could
+        # run before the loop, and a collective outside it in another order on
+        # each worker)
+        sums, waited, nonfinite_at, steps_done, stop = _run_steps(
+            strategy, replica_fns, iterator, num_steps, time_input, state, choose,
+            stop_now)
+        timed = tf.cast(steps_done if time_input else 0, tf.float64)
+        one = tf.constant(1.0, tf.float64)
+        return {**sums, INPUT_WAIT: (waited, timed), NONFINITE_AT: (nonfinite_at, one),
+                STEPS_DONE: (tf.cast(steps_done, tf.float64), one)}, stop
 
     return train_loop
 
@@ -253,7 +286,7 @@ def make_eval_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
 
     @tf.function
     def eval_loop(iterator, num_steps: tf.Tensor) -> Sums:
-        return _run_steps(strategy, [replica_fn], iterator, num_steps)[0]
+        return _run_steps(strategy, [replica_fn], iterator, num_steps)[0]  # all of them
 
     return eval_loop
 

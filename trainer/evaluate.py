@@ -21,8 +21,7 @@ import time
 
 from trainer import cli
 
-if __name__ == "__main__":  # a stop signal while TensorFlow loads: one line, 75
-    cli.stop_at_once_on_signals()
+# (a stop signal while TensorFlow loads: one line, 75: trainer/__init__.py)
 cli.set_native_log_level(sys.argv)  # before TensorFlow starts
 
 from absl import flags, logging  # noqa: E402

@@ -2,16 +2,21 @@
 a non-finite loss.
 
 A stop signal (SIGTERM, SIGINT, SIGHUP): a command installs the watcher right after
-its flags are parsed. Before training starts the signal stops the process at once
-(StoppedAtStartUp, a BaseException like KeyboardInterrupt, so that no library's
-`except Exception` swallows it; every file a run writes is whole or absent, so
-nothing is half-written) with STOPPED_EXIT_CODE. Once training has started it only
-sets a flag: the loop notices it after the current in-graph loop (or evaluation
-chunk) returns, saves a checkpoint of that step and exits with STOPPED_EXIT_CODE;
-the same command resumes from there. A second signal stops at once (the last
-checkpoint is kept). With several workers the flag is summed across workers inside
-the train loop, so every worker stops and saves at the same step (a worker stopping
-alone would leave the others waiting in a collective).
+its flags are parsed (before that, trainer/cli.py's start-up handlers answer).
+Before training starts the signal stops the process at once (StoppedAtStartUp, a
+BaseException like KeyboardInterrupt, so that no library's `except Exception`
+swallows it; every file a run writes is whole or absent, so nothing is
+half-written) with STOPPED_EXIT_CODE. Once training has started it only asks the
+run to stop, and is answered at once, whatever the main thread is doing: a thread
+woken by the signal itself (signal.set_wakeup_fd; Python's own handlers wait until
+TensorFlow returns to the interpreter, minutes on a slow step loop) prints one line
+saying what will happen and sets `flag`, a variable the in-graph loop reads before
+every step (trainer/distributed.py): the loop ends at the next step boundary, the
+run saves a checkpoint of that step and exits with STOPPED_EXIT_CODE; the same
+command resumes from there. A second signal stops at once (the last checkpoint is
+kept). With several workers the flag is summed across workers before every step,
+so every worker stops and saves at the same step (a worker stopping alone would
+leave the others waiting in a collective).
 """
 import contextlib
 import os
@@ -91,44 +96,116 @@ class StopSignals:
 
     Until `while_training()` a stop signal raises StoppedAtStartUp where the
     program is; from then on it only turns `stop.requested` True (and
-    `stop.signal` names it); a second one exits at once (128 + its number).
-    Installs the handlers only in the main thread (signals cannot be caught
-    elsewhere) and restores the previous ones on exit.
+    `stop.signal` names it) and sets `stop.flag` to 1, at once (see the module's
+    docstring); a second one exits at once (128 + its number). `at_step`: what the
+    line names as the run's step (the loop keeps it current). Installs the
+    handlers only in the main thread (signals cannot be caught elsewhere) and
+    restores the previous ones on exit.
     """
 
     def __init__(self):
         self.requested = False
         self.signal = ""
         self.training = False
+        self.at_step: int | None = None
         self._previous: dict[int, object] = {}
+        self._flag: tf.Variable | None = None
+        self._lock = threading.Lock()
+        self._received = 0
+        self._wakeup: tuple[int, int] | None = None  # (read end, write end)
+        self.signals_seen = 0  # by the watcher thread
+        self._previous_wakeup = -1
+
+    @property
+    def flag(self) -> tf.Variable:
+        """The stop request as the in-graph loop reads it (1.0: stop), on the host."""
+        if self._flag is None:
+            with tf.init_scope(), tf.device("/cpu:0"):
+                self._flag = tf.Variable(float(self.requested), trainable=False,
+                                         name="stop_requested")
+        return self._flag
 
     def _handle(self, signum, frame) -> None:
+        """Python's handler, in the main thread once it runs bytecode again."""
         del frame
-        name = signal_name(signum)
         if not self.training:
-            raise StoppedAtStartUp(f"{name} during start-up, before any training step; "
-                                   f"nothing was left half-written: run the same "
-                                   f"command to start")
-        if self.requested:  # the second: now, without waiting for the save
+            raise StoppedAtStartUp(f"{signal_name(signum)} during start-up, before any "
+                                   f"training step; nothing was left half-written: run "
+                                   f"the same command to start")
+        if self._wakeup is None:  # (no watcher thread: answer here)
+            self._stop_requested(signum)
+
+    def _stop_requested(self, signum: int) -> None:
+        """A stop signal in training: the first asks the run to stop (one line, the
+        flag set); the second stops the process at once."""
+        name = signal_name(signum)
+        with self._lock:
+            self._received += 1
+            second = self._received > 1
+            if not second:
+                self.requested, self.signal = True, name
+        if second:  # now, without waiting for the save
             print(f"stopped: a second {name}: stopped at once; the last checkpoint in "
                   f"the run directory is kept (rerun the same command to resume)",
                   file=sys.stderr, flush=True)
             os._exit(128 + signum)
-        logging.warning("%s: saving a checkpoint at the end of the current loop, then "
-                        "exiting with status %d (again to stop at once)", name,
+        at = f" (the run is past step {self.at_step})" if self.at_step is not None else ""
+        logging.warning("%s: stopping after the current step%s: a checkpoint of it will "
+                        "be saved, then exit status %d (again to stop at once)", name, at,
                         STOPPED_EXIT_CODE)
-        self.requested, self.signal = True, name
+        if self._flag is not None:
+            self._flag.assign(1.0)
+
+    def _watch(self, read_end: int) -> None:
+        """The watcher thread: each signal number the C-level handler writes, read
+        as it arrives (the main thread may be inside TensorFlow for minutes)."""
+        while True:
+            try:
+                data = os.read(read_end, 64)
+            except OSError:
+                data = b""
+            if not data:  # (__exit__ closed the write end)
+                os.close(read_end)
+                return
+            for signum in data:
+                # (before training the main thread's handler answers: a signal
+                # then stops the program)
+                if self.training and signum in STOP_SIGNALS:
+                    self._stop_requested(signum)
+                self.signals_seen += 1
+
+    def _install(self) -> None:
+        for signum in STOP_SIGNALS:
+            previous = signal.signal(signum, self._handle)
+            self._previous.setdefault(signum, previous)
+        if self._wakeup is None:
+            read_end, write_end = os.pipe()
+            os.set_blocking(write_end, False)  # (the C handler must never block)
+            try:
+                self._previous_wakeup = signal.set_wakeup_fd(write_end,
+                                                             warn_on_full_buffer=False)
+            except ValueError:  # (not the main thread, after all)
+                os.close(read_end)
+                os.close(write_end)
+                return
+            self._wakeup = read_end, write_end
+            threading.Thread(target=self._watch, args=(read_end,), daemon=True,
+                             name="stop-signals").start()
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
-            for signum in STOP_SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+            self._install()
         return self
 
     def __exit__(self, *exc) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous = {}
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            write_end = self._wakeup[1]
+            self._wakeup = None
+            os.close(write_end)  # (the watcher's read ends: it closes its end)
 
     def poll(self, alone: bool) -> Callable[[], bool]:
         """What an evaluation asks between its steps: whether to stop now. Only a

@@ -159,6 +159,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     current, evaluated_at = start_step, None
     profiler = progress_lib.Profiler(profile if is_chief else (),  # one trace, the chief's
                                      os.path.join(config.model_dir, "train"))
+    stop_flag = stop_signals.flag  # (made before a signal may set it)
     with recorder.status_on_exit(lambda: current), inputs.data_errors_explained(spec), (
             stop_signals.while_training()), profiler.stopped_at_exit(), progress.live():
         train_iterator = iter(pipelines.train)
@@ -170,14 +171,18 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             if current == start_step:  # (otherwise silent for a while)
                 logging.info("Tracing the step%s; the first steps follow",
                              " and compiling it with XLA" if jit else "")
+            stop_signals.at_step = current
             with progress_lib.Stopwatch() as watch:
+                # (stop_flag: read before every step, so a stop signal ends the call
+                # at the next step boundary: stop is then earlier)
                 sums, stopping = train_loop(train_iterator, tf.constant(stop - current),
-                                            tf.constant(float(stop_signals.requested)))
+                                            stop_flag)
                 sums = tf.nest.map_structure(lambda t: t.numpy(), sums)  # waits
+            stop = current + int(sums.pop(distributed.STEPS_DONE)[0])
             profiler.after(stop)
             if current == start_step:  # what start-up costs: building, caching, tracing
                 progress_lib.log_first_steps(current + 1, stop, since_start.elapsed(),
-                                             train_loop, train_iterator)
+                                             train_loop, train_iterator, stop_flag)
             nonfinite_at = int(sums.pop(distributed.NONFINITE_AT)[0])
             skipped = progress.add(sums, stop - current, watch.seconds)
             faults.check_steps(nonfinite_at, skipped, config.on_nan, current + 1, stop,

@@ -20,8 +20,7 @@ import sys
 
 from trainer import cli
 
-if __name__ == "__main__":  # a stop signal while TensorFlow loads: one line, 75
-    cli.stop_at_once_on_signals()
+# (a stop signal while TensorFlow loads: one line, 75: trainer/__init__.py)
 cli.set_deterministic_kernels(sys.argv)  # before TensorFlow starts
 cli.set_native_log_level(sys.argv)
 
@@ -50,17 +49,22 @@ def define_flags() -> None:
 LEAVE_WHEN_DONE = False
 
 
-def _leave_without_tensorflow_shutdown() -> None:
-    """A process whose run is done, its files written whole and its lock released,
-    exits at once. TensorFlow's own shutdown can wait minutes in the destructor of
-    the training input's iterator (issue 31: 107 s after `Done:`), and a non-chief
-    worker's (the loop's last all-reduce passed, so every worker is done too) would
-    wait on the chief's coordination service, which the chief, done too, takes down
-    as it exits: 6 s here, ending in an UNAVAILABLE error line."""
+def _leave(status: int = 0, now: bool = False) -> None:
+    """Ends the program with `status` once its last line is printed, its files
+    written whole and its lock released: at once when this module is the program
+    (LEAVE_WHEN_DONE) or `now`, else sys.exit (a test calling main). TensorFlow's own
+    shutdown can wait minutes in the destructor of the training input's iterator,
+    whose thread finishes the element it is making first (issue 31: 107 s after
+    `Done:`; issue 46: 12 s after a Ctrl-C's `stopped:` line here, in the first
+    epoch's shuffle, ~100 s under load), and a non-chief worker's would wait on the
+    chief's coordination service, which the chief takes down as it exits (6 s here,
+    ending in an UNAVAILABLE error line)."""
+    if not (LEAVE_WHEN_DONE or now):
+        sys.exit(status)
     sys.stdout.flush()
     sys.stderr.flush()
     std_logging.shutdown()
-    os._exit(0)
+    os._exit(status)
 
 
 def main(argv: list[str]) -> None:
@@ -91,32 +95,32 @@ def main(argv: list[str]) -> None:
                                        f"written (they are complete) in "
                                        f"{config.model_dir}")
             if LEAVE_WHEN_DONE or not strategy_lib.is_chief_process(config.strategy):
-                _leave_without_tensorflow_shutdown()
+                _leave(0, now=True)
     except locks.DirectoryInUse as err:  # (a scheduler retries 75)
         print(f"error: {message_of(err)}", file=sys.stderr)
-        sys.exit(locks.IN_USE_EXIT_CODE)
+        _leave(locks.IN_USE_EXIT_CODE)
     except locks.LockLost as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(locks.LOCK_LOST_EXIT_CODE)
+        _leave(locks.LOCK_LOST_EXIT_CODE)
     except USER_ERRORS as err:
         print(f"error: {message_of(err)}", file=sys.stderr)
-        sys.exit(2)
+        _leave(2)
     except (faults.Preempted, faults.StoppedAtStartUp) as err:
         print(f"stopped: {err}", file=sys.stderr)
-        sys.exit(faults.STOPPED_EXIT_CODE)
+        _leave(faults.STOPPED_EXIT_CODE)
     except (faults.TrainingDivergedError, checkpoints.NonFiniteError) as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(3)
+        _leave(3)
     except files.WriteError as err:  # a checkpoint or a final output (disk full, ...)
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(5)
+        _leave(5)
     except faults.PEER_FAILURES as err:
         if FLAGS.strategy != "multi_worker":
             raise
         print(f"error: lost another worker ({type(err).__name__}: "
               f"{str(err).splitlines()[0][:200]}); restart all workers with the same "
               f"command to resume from the last checkpoint", file=sys.stderr)
-        sys.exit(4)
+        _leave(4)
 
 
 if __name__ == "__main__":

@@ -330,14 +330,15 @@ def log_finished(model_dir: str, metrics: dict) -> None:
                  else "A larger --train_steps or --epochs trains it further")
 
 
-def log_first_steps(first: int, last: int, seconds: float, train_loop, iterator) -> None:
+def log_first_steps(first: int, last: int, seconds: float, train_loop, iterator,
+                    stop_flag) -> None:
     """What start-up cost (building, caching, tracing: the first steps are done
     `seconds` after the start), and one warning line if the traced step draws with
     a stateful random op: its numbers differ on each replica and after a resume
     (trainer/randomness.py)."""
     logging.info("Steps %d-%d done %.1f s after the start", first, last, seconds)
-    graph = train_loop.get_concrete_function(iterator, tf.constant(1),
-                                             tf.constant(0.0)).graph
+    graph = train_loop.get_concrete_function(iterator, tf.constant(1),  # (the one traced)
+                                             stop_flag).graph
     found = randomness.stateful_random_ops(graph)
     if found:
         logging.warning("the step draws with a stateful random op, %s: replicas draw "
