@@ -95,3 +95,26 @@ def test_get_function_gives_the_graph_of_a_called_tf_function():
     body = traced.graph._get_function(call.get_attr("f").name).graph  # noqa: SLF001
     assert "MatMul" in [op.type for op in body.get_operations()]
     assert flops._graph_flops(traced.graph) == (2 * 6 * 7, 0)  # noqa: SLF001
+
+
+def test_the_coordination_service_takes_the_configuration_the_strategy_would_make():
+    """trainer/strategy.py's _coordinate_workers: TensorFlow's private
+    multi_worker_util (normalize_cluster_spec, coordination_leader),
+    coordination_config_pb2.CoordinatedJob and context().configure_coordination_
+    service(..., heartbeat_timeout_in_ms=), which MultiWorkerMirroredStrategy
+    itself calls, and which it skips once a configuration is there (the 2-worker
+    SIGSTOP test, tests/test_multi_worker.py, shows the timeout taking effect)."""
+    from tensorflow.core.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import collective_all_reduce_strategy as car
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+    spec = multi_worker_util.normalize_cluster_spec(
+        {"worker": ["127.0.0.1:1", "127.0.0.1:2"]})
+    assert multi_worker_util.coordination_leader(spec) == "/job:worker/replica:0/task:0"
+    assert coordination_config_pb2.CoordinatedJob(name="worker", num_tasks=2).num_tasks == 2
+    parameters = inspect.signature(context.Context.configure_coordination_service).parameters
+    assert {"service_type", "service_leader", "coordinated_jobs",
+            "heartbeat_timeout_in_ms"} <= set(parameters)
+    # The strategy configures the service only if none is: ours then stands.
+    assert "context.context().coordination_service is None" in inspect.getsource(
+        car.CollectiveAllReduceExtended._initialize_multi_worker)

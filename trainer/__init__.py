@@ -29,8 +29,53 @@ def stop_at_once_on_signals() -> None:
         _signal.signal(signum, stop)
 
 
+# The TensorFlow versions this code runs on (.ci/run tests both), and the
+# distributions a TensorFlow build comes as.
+SUPPORTED_TENSORFLOW = ((2, 20), (2, 21))
+TENSORFLOW_BUILDS = ("tensorflow", "tensorflow-cpu", "tensorflow-tpu", "tensorflow-intel",
+                     "tensorflow-macos", "tf-nightly", "tf-nightly-cpu")
+
+
+def tensorflow_problem() -> str | None:
+    """What is wrong with the installed TensorFlow, in one line (None: nothing):
+    none installed, a version this code was not tested on, or two builds at once
+    (`pip install -e .[cpu]` on a TPU VM puts the CPU wheel's files over
+    tensorflow-tpu's). Reads the installed distributions' metadata only."""
+    from importlib import metadata
+    found = {}
+    for name in TENSORFLOW_BUILDS:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    supported = " or ".join(f"{a}.{b}" for a, b in SUPPORTED_TENSORFLOW)
+    if not found:
+        return (f"TensorFlow is not installed: pip install -e \".[cpu]\" (or [gpu], "
+                f"[tpu]: docs/accelerators.md); this code runs on TensorFlow {supported}")
+    if len(found) > 1:
+        builds = " and ".join(f"{name} {version}" for name, version in found.items())
+        keep = "tensorflow-tpu" if "tensorflow-tpu" in found else next(iter(found))
+        return (f"two TensorFlow builds are installed ({builds}), whose files overwrite "
+                f"each other's: uninstall all but {keep}, then reinstall it "
+                f"(pip install --force-reinstall --no-deps {keep}=={found[keep]})")
+    (name, version), = found.items()
+    try:
+        major_minor = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        major_minor = None
+    if major_minor not in SUPPORTED_TENSORFLOW:
+        return (f"{name} {version} is installed; this code runs on TensorFlow "
+                f"{supported}: pip install \"{name}>=2.20,<2.22\"")
+    return None
+
+
 # `python -m trainer.main`: Python imports this package first, with sys.argv[0]
 # "-m" while it finds the module (never so under pytest or an `import trainer`).
-if _sys.argv[:1] == ["-m"] and any(name in getattr(_sys, "orig_argv", [])[1:3]
-                                   for name in _COMMANDS):
-    stop_at_once_on_signals()
+_program = getattr(_sys, "orig_argv", [])[1:3]
+if _sys.argv[:1] == ["-m"] and any(name.startswith("trainer.") for name in _program):
+    if any(name in _program for name in _COMMANDS):
+        stop_at_once_on_signals()
+    _problem = tensorflow_problem()
+    if _problem:
+        print(f"error: {_problem}", file=_sys.stderr)
+        _sys.exit(2)

@@ -45,6 +45,10 @@ class DeviceSettings:
     precision: str = _("auto", f"{'|'.join(PRECISIONS)}. auto: bf16 on TPU, bf16/fp16 "
                        "on GPU by generation, bf16 on CPUs with native bf16, else "
                        "float32.", choices=PRECISIONS)
+    worker_timeout: int = _(60, "Multi-worker runs: seconds a worker may stop answering "
+                            "(paused by a VM migration, swapping, a long GC) before the "
+                            "run ends, naming it; the others wait for it until then.",
+                            low=1, resume=True)
 
 
 class DeviceError(RuntimeError):
@@ -86,7 +90,7 @@ def set_up(devices: DeviceSettings, deterministic: bool = False, seed: int = 0
     Keras' global policy) and XLA choice, Keras' seeds and, with `deterministic`,
     deterministic ops."""
     runtime = create(devices.strategy, devices.tpu, devices.require_tpu,
-                     devices.cpu_replicas)
+                     devices.cpu_replicas, devices.worker_timeout)
     precision = resolve_precision(devices.precision, runtime.device_kind, deterministic)
     jit = resolve_jit(devices.jit_compile, runtime.device_kind, runtime.num_replicas)
     keras.mixed_precision.set_global_policy(precision)
@@ -146,7 +150,7 @@ def _tpu_hinted() -> bool:
 
 
 def create(strategy: str = "auto", tpu: str | None = None, require_tpu: bool = False,
-           cpu_replicas: int = 1) -> Runtime:
+           cpu_replicas: int = 1, worker_timeout: int = 60) -> Runtime:
     """Builds the distribution strategy. See the flag help in trainer/main.py."""
     cpu_devices = split_cpu(cpu_replicas) if cpu_replicas > 1 else ["/cpu:0"]
     if strategy == "tpu" or (strategy == "auto" and (tpu or _tpu_hinted())):
@@ -167,6 +171,7 @@ def create(strategy: str = "auto", tpu: str | None = None, require_tpu: bool = F
         if "TF_CONFIG" not in os.environ:
             raise DeviceError("--strategy=multi_worker needs TF_CONFIG in the environment "
                               "(python -m trainer.tools.launch sets it up on one machine)")
+        _coordinate_workers(worker_timeout)
         return Runtime(tf.distribute.MultiWorkerMirroredStrategy(), kind)
     if strategy == "one_device":
         return Runtime(tf.distribute.OneDeviceStrategy("/gpu:0" if gpus else "/cpu:0"),
@@ -176,6 +181,30 @@ def create(strategy: str = "auto", tpu: str | None = None, require_tpu: bool = F
     if strategy == "mirrored" or cpu_replicas > 1:
         return Runtime(mirrored(tuple(cpu_devices)), kind)
     return Runtime(tf.distribute.OneDeviceStrategy("/cpu:0"), kind)
+
+
+def _coordinate_workers(timeout_seconds: int) -> None:
+    """The coordination service MultiWorkerMirroredStrategy starts, as it would
+    configure it, but with a worker declared lost after `timeout_seconds` without
+    a heartbeat instead of TensorFlow's 10 s: a worker paused for 10 s (SIGSTOP, a
+    VM migration) ended the run, and its healthy peer reported the loss. Through
+    TensorFlow's private context and multi_worker_util, as the strategy itself
+    does (tests/test_private_apis.py fails loudly if an upgrade changes them)."""
+    from tensorflow.core.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    cluster_spec = multi_worker_util.normalize_cluster_spec(resolver.cluster_spec())
+    if resolver.task_type not in ("chief", "worker") or (
+            context.context().coordination_service is not None):
+        return  # (the strategy configures what it needs)
+    jobs = [coordination_config_pb2.CoordinatedJob(name=job,
+                                                   num_tasks=cluster_spec.num_tasks(job))
+            for job in ("chief", "worker") if job in cluster_spec.jobs]
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(cluster_spec),
+        coordinated_jobs=jobs, heartbeat_timeout_in_ms=timeout_seconds * 1000)
 
 
 def _cpu_has_bf16() -> bool:

@@ -77,6 +77,21 @@ def _stop(procs: list[subprocess.Popen], stopping_anyway: bool = False) -> None:
             proc.wait()
 
 
+def _paused(procs: list[subprocess.Popen]) -> list[int]:
+    """The workers whose process is stopped (SIGSTOP, a debugger): Linux's
+    /proc/PID/status State T or t."""
+    paused = []
+    for index, proc in enumerate(procs):
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                state = next(line for line in f if line.startswith("State:")).split()[1]
+        except (OSError, StopIteration, IndexError):
+            continue
+        if state in ("T", "t"):
+            paused.append(index)
+    return paused
+
+
 def launch(workers: int, trainer_args: list[str], program: list[str] | None = None
            ) -> int:
     """Runs the workers to the end; returns 0, or the exit status for the first
@@ -114,11 +129,21 @@ def launch(workers: int, trainer_args: list[str], program: list[str] | None = No
     if failed:
         index, code = failed[0]
         status = code if code in PASSED_ON else LOST_WORKER_EXIT_CODE
+        # A worker that exits 4 is the one that noticed a peer stop answering: the
+        # peer is the culprit (a stopped process, if one is).
+        paused = _paused(procs) if code == LOST_WORKER_EXIT_CODE else []
         if code in PASSED_ON:
             print(f"[launch] worker {index} exited with status {code}; stopping the "
                   f"others", file=sys.stderr, flush=True)
         _stop(procs, stopping_anyway=code == cli.STOPPED_EXIT_CODE)
-        if code not in PASSED_ON:
+        if code == LOST_WORKER_EXIT_CODE:
+            culprit = (f"worker {paused[0]} stopped answering (its process was paused, "
+                       f"e.g. by SIGSTOP, for longer than --worker_timeout)" if paused
+                       else "another worker stopped answering (see its lines above)")
+            print(f"error: {culprit}; worker {index} noticed it and stopped; stopped "
+                  f"the others: rerun the same command to resume from the last "
+                  f"checkpoint", file=sys.stderr, flush=True)
+        elif code not in PASSED_ON:
             how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
             print(f"error: worker {index} died ({how}); stopped the others: rerun the "
                   f"same command to resume from the last checkpoint", file=sys.stderr,
