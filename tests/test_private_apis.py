@@ -104,8 +104,9 @@ def test_the_coordination_service_takes_the_configuration_the_strategy_would_mak
     service(..., heartbeat_timeout_in_ms=), which MultiWorkerMirroredStrategy
     itself calls, and which it skips once a configuration is there (the 2-worker
     SIGSTOP test, tests/test_multi_worker.py, shows the timeout taking effect)."""
-    from tensorflow.core.protobuf import coordination_config_pb2
     from tensorflow.python.distribute import collective_all_reduce_strategy as car
+    from tensorflow.python.distribute.collective_all_reduce_strategy import (
+        coordination_config_pb2)
     from tensorflow.python.distribute import multi_worker_util
     from tensorflow.python.eager import context
     spec = multi_worker_util.normalize_cluster_spec(

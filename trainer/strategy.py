@@ -190,8 +190,10 @@ def _coordinate_workers(timeout_seconds: int) -> None:
     VM migration) ended the run, and its healthy peer reported the loss. Through
     TensorFlow's private context and multi_worker_util, as the strategy itself
     does (tests/test_private_apis.py fails loudly if an upgrade changes them)."""
-    from tensorflow.core.protobuf import coordination_config_pb2
     from tensorflow.python.distribute import multi_worker_util
+    # (the proto module the strategy itself imports: its path moves between versions)
+    from tensorflow.python.distribute.collective_all_reduce_strategy import (
+        coordination_config_pb2)
     from tensorflow.python.eager import context
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     cluster_spec = multi_worker_util.normalize_cluster_spec(resolver.cluster_spec())
