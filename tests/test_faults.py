@@ -385,3 +385,64 @@ def test_a_stop_during_an_evaluation_ends_it_and_saves_that_step(tiny_config,
         loop.train_and_evaluate(config)
     assert tf.train.latest_checkpoint(config.model_dir).endswith("ckpt-2")
     assert len(calls) == 1  # stopped before its first step, not after the test set
+
+
+class _Metadata:
+    """A stand-in for a Google Cloud VM's metadata server on 127.0.0.1: answers
+    instance/maintenance-event and instance/preempted (only with the
+    Metadata-Flavor header, as the real one), with an ETag, at once."""
+
+    def __init__(self):
+        import http.server
+        import threading
+        self.values = {"maintenance-event": "NONE", "preempted": "FALSE"}
+        self.asked = 0
+        metadata = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                key = self.path.split("?")[0].rsplit("/", 1)[-1]
+                if self.headers.get("Metadata-Flavor") != "Google" or (
+                        key not in metadata.values):
+                    self.send_error(403 if key in metadata.values else 404)
+                    return
+                metadata.asked += 1
+                value = metadata.values[key].encode()
+                self.send_response(200)
+                self.send_header("ETag", str(hash(value)))
+                self.end_headers()
+                self.wfile.write(value)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+
+
+@pytest.mark.long(20)  # seconds, with -n 2
+def test_a_vms_maintenance_notice_stops_the_run_as_a_signal_does(tmp_path):
+    """TERMINATE_ON_HOST_MAINTENANCE in the VM's metadata (what a Compute Engine
+    or TPU VM says before a host maintenance stops it): the run says so, saves the
+    next step and exits 75, as for SIGTERM."""
+    metadata = _Metadata()
+    model_dir = str(tmp_path / "run")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", GCE_METADATA_IP=metadata.address)
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.main", *RESUME,
+                             "--train_steps=100000", "--checkpoint_every=100000",
+                             f"--model_dir={model_dir}"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while "step 2/" not in (line := proc.stdout.readline()):
+        assert line or proc.poll() is None, "the run ended before training"
+    assert metadata.asked >= 2  # both notices watched, nothing noticed yet
+    metadata.values["maintenance-event"] = "TERMINATE_ON_HOST_MAINTENANCE"
+    output = proc.communicate(timeout=120)[0]
+    metadata.server.shutdown()
+    assert proc.returncode == faults.STOPPED_EXIT_CODE, output[-2000:]
+    said = "maintenance-event TERMINATE_ON_HOST_MAINTENANCE (the VM's notice): stopping"
+    assert said in output, output[-2000:]
+    stopped = re.search(r"stopped: stopped by maintenance-event .*: saved a checkpoint "
+                        r"at step (\d+)", output)
+    assert stopped and "Traceback" not in output, output[-2000:]
+    assert tf.train.latest_checkpoint(model_dir).endswith(f"ckpt-{stopped.group(1)}")

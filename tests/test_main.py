@@ -280,3 +280,47 @@ def test_every_setting_has_a_help_topic():
         assert run_settings.help_topic(name) != "other", name
     listed = [name for fields in config_lib.TOPICS.values() for name in fields]
     assert sorted(listed) == sorted(config_lib.FLAG_FIELDS)  # each once, none stale
+
+
+@pytest.mark.parametrize("installed, says", [
+    ({"tensorflow": "2.21.0"}, None),
+    ({"tensorflow-tpu": "2.20.0"}, None),
+    ({"tensorflow-cpu": "2.20.1"}, None),
+    ({}, "TensorFlow is not installed: pip install -e \".[cpu]\""),
+    ({"tensorflow": "2.19.1"}, "tensorflow 2.19.1 is installed; this code runs on "
+                               "TensorFlow 2.20 or 2.21"),
+    ({"tensorflow": "2.21.0", "tensorflow-tpu": "2.20.0"},
+     "two TensorFlow builds are installed (tensorflow 2.21.0 and tensorflow-tpu 2.20.0)"
+     ", whose files overwrite each other's: uninstall all but tensorflow-tpu"),
+])
+def test_the_installed_tensorflow_is_checked_in_one_line(monkeypatch, installed, says):
+    """What every command checks before TensorFlow loads (trainer/__init__.py):
+    none, a version outside 2.20-2.21, or two builds at once (a TPU VM's
+    tensorflow-tpu with the CPU wheel over it) is one line and exit 2."""
+    from importlib import metadata
+    import trainer
+
+    def version(name):
+        if name not in installed:
+            raise metadata.PackageNotFoundError(name)
+        return installed[name]
+    monkeypatch.setattr(metadata, "version", version)
+    problem = trainer.tensorflow_problem()
+    assert problem == says if says is None else problem.startswith(says), problem
+
+
+def test_a_command_without_a_supported_tensorflow_stops_in_one_line(tmp_path):
+    """The check runs first in the command itself: here TensorFlow's metadata
+    says 2.19 (a fake distribution shadowing the real one's on sys.path)."""
+    fake = tmp_path / "site" / "tensorflow-2.19.1.dist-info"
+    fake.mkdir(parents=True)
+    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: tensorflow\n"
+                                   "Version: 2.19.1\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'site'}:{ROOT}")
+    result = subprocess.run([sys.executable, "-m", "trainer.main", "--help"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    # (2.19 alone, or beside a tensorflow-cpu build: two builds)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and (
+        "tensorflow 2.19.1" in lines[0]), lines

@@ -3,6 +3,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -96,3 +97,91 @@ def test_a_dead_worker_stops_the_others_and_the_rerun_ends_bitwise_like_no_kill(
             f"/proc/{pid}/status").read(), f"worker pid {pid} still runs"
     assert reference == killed, said
     assert not kill_resume.leftovers(str(tmp_path / "killed"))  # no temporary, no lock
+
+
+class _Launched:
+    """A 2-worker launch whose lines are read as they come (its workers' pids)."""
+
+    def __init__(self, *args):
+        import threading
+        self.proc = _launch(*args)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout),
+                         daemon=True).start()
+
+    def pid(self, worker: int) -> int:
+        while True:
+            for line in list(self.lines):
+                found = re.match(rf"\[launch\] worker {worker}: pid (\d+)", line)
+                if found:
+                    return int(found.group(1))
+            assert self.proc.poll() is None, "".join(self.lines)[-3000:]
+            time.sleep(0.05)
+
+    def finish(self) -> tuple[int, str]:
+        status = self.proc.wait(timeout=400)
+        time.sleep(0.2)  # (the reader's last lines)
+        return status, "".join(self.lines)
+
+
+def _sha(model_dir: str) -> str:
+    import json
+    with open(os.path.join(model_dir, "metrics.json")) as f:
+        return json.load(f)["weights_sha256"]
+
+
+@pytest.mark.long(110)  # seconds, with -n 2
+def test_worker_1_alone_stopped_while_it_writes_a_checkpoint_or_paused_for_15_s(tmp_path):
+    """Two of worker 1's troubles, each against an uninterrupted 2-worker run:
+    SIGTERM to worker 1 alone while it writes a checkpoint (its ckpt-N_temp is
+    there before and after the signal): both workers save one step and exit 75,
+    and the resumed run ends with the same weights, bit for bit. SIGSTOP to
+    worker 1 for 15 s (more than TensorFlow's 10-s heartbeat, which ended the run
+    before --worker_timeout), then SIGCONT: the run goes on and ends the same."""
+    import signal
+    args = ["--model=cifar_cnn", "--dataset=synthetic", "--batch_size=64",
+            "--train_steps=80", "--steps_per_loop=1", "--checkpoint_every=2",
+            "--eval_every=80", "--deterministic", "--shuffle_buffer=1024"]
+    reference = str(tmp_path / "reference")
+    status, output = _Launched(*args, f"--model_dir={reference}").finish()
+    assert status == 0, output[-3000:]
+
+    stopped = str(tmp_path / "stopped")
+    run = _Launched(*args, f"--model_dir={stopped}")
+    worker_1 = run.pid(1)
+    own_dir = os.path.join(stopped, ".worker_tmp", "worker_1")
+    writing = lambda: [name for name in os.listdir(own_dir)  # noqa: E731
+                       if name.endswith("_temp")] if os.path.isdir(own_dir) else []
+    while True:  # until a signal lands inside a write (a temporary before and after)
+        assert run.proc.poll() is None, "the run ended before a signal hit a write"
+        if writing():
+            os.kill(worker_1, signal.SIGTERM)
+            if writing():
+                break
+            os.kill(worker_1, signal.SIGTERM)  # (missed: a second stops it at once)
+            raise AssertionError("the signal came after the write; run again")
+        time.sleep(0.0005)
+    status, output = run.finish()
+    assert status == 75, output[-3000:]
+    saved = re.findall(r"\[worker (\d)\] stopped: stopped by (\S+): saved a checkpoint "
+                       r"at step (\d+)", output)
+    assert sorted(worker for worker, _, _ in saved) == ["0", "1"], output[-3000:]
+    assert len({step for _, _, step in saved}) == 1, saved  # one step, both workers
+    assert {(worker, who) for worker, who, _ in saved} == {("1", "SIGTERM"),
+                                                           ("0", "another")}, saved
+    status, output = _Launched(*args, f"--model_dir={stopped}").finish()
+    assert status == 0, output[-3000:]
+    assert _sha(stopped) == _sha(reference)
+
+    paused = str(tmp_path / "paused")
+    run = _Launched(*args, f"--model_dir={paused}")
+    worker_1 = run.pid(1)
+    while not tf.io.gfile.glob(os.path.join(paused, "ckpt-10.index")):
+        assert run.proc.poll() is None, "".join(run.lines)[-3000:]
+        time.sleep(0.05)
+    os.kill(worker_1, signal.SIGSTOP)
+    time.sleep(15)
+    os.kill(worker_1, signal.SIGCONT)
+    status, output = run.finish()
+    assert status == 0, output[-3000:]
+    assert _sha(paused) == _sha(reference)

@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Callable, Iterator
 
 from absl import logging
@@ -114,6 +115,7 @@ class StopSignals:
         self._received = 0
         self._wakeup: tuple[int, int] | None = None  # (read end, write end)
         self.signals_seen = 0  # by the watcher thread
+        self._maintenance: MaintenanceWatcher | None = None
         self._previous_wakeup = -1
 
     @property
@@ -142,17 +144,24 @@ class StopSignals:
         with self._lock:
             self._received += 1
             second = self._received > 1
-            if not second:
-                self.requested, self.signal = True, name
         if second:  # now, without waiting for the save
             print(f"stopped: a second {name}: stopped at once; the last checkpoint in "
                   f"the run directory is kept (rerun the same command to resume)",
                   file=sys.stderr, flush=True)
             os._exit(128 + signum)
+        self.request_stop(name, again=" (again to stop at once)")
+
+    def request_stop(self, why: str, again: str = "") -> None:
+        """Asks the run to stop after the current step, as a first stop signal does
+        (`why`: what asked, e.g. a VM's maintenance notice); once."""
+        with self._lock:
+            if self.requested:
+                return
+            self.requested, self.signal = True, why
         at = f" (the run is past step {self.at_step})" if self.at_step is not None else ""
         logging.warning("%s: stopping after the current step%s: a checkpoint of it will "
-                        "be saved, then exit status %d (again to stop at once)", name, at,
-                        STOPPED_EXIT_CODE)
+                        "be saved, then exit status %d%s", why, at, STOPPED_EXIT_CODE,
+                        again)
         if self._flag is not None:
             self._flag.assign(1.0)
 
@@ -228,8 +237,76 @@ class StopSignals:
             for signum in STOP_SIGNALS:
                 signal.signal(signum, self._handle)
         self.training = True
+        if self._maintenance is None and on_google_cloud():
+            self._maintenance = MaintenanceWatcher(self.request_stop)
+            self._maintenance.start()
         try:
             yield self
         finally:
             if installed_here:
                 self.__exit__()
+
+
+# A Google Cloud VM's own notices, from its metadata server: a host maintenance that
+# will stop it (Compute Engine and TPU VMs), and a Spot/preemptible VM's
+# preemption. The server's address is METADATA_HOST_ENV's, as TensorFlow's own GCE
+# termination watcher reads it (tests point it at a stand-in on 127.0.0.1).
+METADATA_HOST_ENV = "GCE_METADATA_IP"
+NOTICES = {"instance/maintenance-event": lambda value: value.startswith("TERMINATE"),
+           "instance/preempted": lambda value: value.strip().upper() == "TRUE"}
+
+
+def on_google_cloud() -> bool:
+    """Whether this is a Google Cloud VM (or a metadata server is named): its
+    DMI product name, read locally (no network off Google Cloud)."""
+    if os.environ.get(METADATA_HOST_ENV):
+        return True
+    try:
+        with open("/sys/class/dmi/id/product_name") as f:
+            return "Google" in f.read()
+    except OSError:
+        return False
+
+
+class MaintenanceWatcher:
+    """One daemon thread per notice in NOTICES: waits on the metadata server for
+    the value to change (`wait_for_change`, so one request a minute while nothing
+    happens) and calls `on_notice(why)` once one says the VM will stop. A server
+    that does not answer is asked again every 10 s; nothing here blocks the run."""
+
+    def __init__(self, on_notice: Callable[[str], None], host: str | None = None):
+        self.on_notice = on_notice
+        self.host = host or os.environ.get(METADATA_HOST_ENV) or "metadata.google.internal"
+        self.noticed = threading.Event()
+
+    def start(self) -> None:
+        for key in NOTICES:
+            threading.Thread(target=self._watch, args=(key,), daemon=True,
+                             name=f"watch {key}").start()
+        logging.info("Watching this VM's maintenance and preemption notices (%s)",
+                     self.host)
+
+    def _get(self, key: str, etag: str | None) -> tuple[str, str | None]:
+        import urllib.request
+        url = f"http://{self.host}/computeMetadata/v1/{key}"
+        if etag:
+            url += f"?wait_for_change=true&timeout_sec=60&last_etag={etag}"
+        request = urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
+        with urllib.request.urlopen(request, timeout=90) as response:
+            return response.read().decode(errors="replace"), response.headers.get("ETag")
+
+    def _watch(self, key: str) -> None:
+        etag = None
+        while not self.noticed.is_set():
+            try:
+                value, new_etag = self._get(key, etag)
+            except Exception:  # noqa: BLE001 (no server, a timeout: ask again later)
+                time.sleep(10)
+                continue
+            if NOTICES[key](value) and not self.noticed.is_set():
+                self.noticed.set()
+                self.on_notice(f"{key.split('/')[-1]} {value.strip()} (the VM's notice)")
+                return
+            if new_etag is None or new_etag == etag:
+                time.sleep(1)  # (a server that does not wait for a change)
+            etag = new_etag
