@@ -91,7 +91,8 @@ def test_a_dead_worker_stops_the_others_and_the_rerun_ends_bitwise_like_no_kill(
     log = (tmp_path / "logs" / "killed_0.log").read_text()
     assert kill.launcher_exit != 0 and kill.stopped_after < 60, (kill, log[-3000:])
     assert (f"error: worker {kill.worker} died (killed by signal 9); stopped the others"
-            in log or "error: lost another worker" in log), log[-3000:]
+            in log or "error: lost another worker" in log or "stopped answering" in log), (
+        log[-3000:])
     for pid in re.findall(r"\[launch\] worker \d+: pid (\d+)", log):
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(
             f"/proc/{pid}/status").read(), f"worker pid {pid} still runs"

@@ -20,6 +20,7 @@ leave the others waiting in a collective).
 """
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -41,6 +42,18 @@ STOPPED_EXIT_CODE, STOP_SIGNALS = cli.STOPPED_EXIT_CODE, cli.STOP_SIGNALS
 PEER_FAILURES = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
                  tf.errors.CancelledError, tf.errors.AbortedError,
                  tf.errors.InternalError)
+
+
+def lost_peer(error: Exception) -> str:
+    """What a surviving worker says of a peer failure: the worker that stopped
+    sending heartbeats (the coordination service names it), else the error."""
+    text = str(error)
+    tasks = sorted(set(re.findall(r"/job:\w+/replica:\d+/task:(\d+)", text)))
+    if "stopped sending heartbeats" in text and tasks:
+        return (f"worker {', '.join(tasks)} stopped answering (no heartbeat for "
+                f"--worker_timeout seconds: paused, or its machine is gone)")
+    first = text.splitlines()[0][:200] if text else ""
+    return f"lost another worker ({type(error).__name__}: {first})"
 
 
 class TrainingDivergedError(RuntimeError):
@@ -98,8 +111,7 @@ class StopSignals:
     Until `while_training()` a stop signal raises StoppedAtStartUp where the
     program is; from then on it only turns `stop.requested` True (and
     `stop.signal` names it) and sets `stop.flag` to 1, at once (see the module's
-    docstring); a second one exits at once (128 + its number). `at_step`: what the
-    line names as the run's step (the loop keeps it current). Installs the
+    docstring); a second one exits at once (128 + its number). Installs the
     handlers only in the main thread (signals cannot be caught elsewhere) and
     restores the previous ones on exit.
     """
@@ -108,7 +120,7 @@ class StopSignals:
         self.requested = False
         self.signal = ""
         self.training = False
-        self.at_step: int | None = None
+        self.at_step: Callable[[], int] | None = None
         self._previous: dict[int, object] = {}
         self._flag: tf.Variable | None = None
         self._lock = threading.Lock()
@@ -123,8 +135,10 @@ class StopSignals:
         """The stop request as the in-graph loop reads it (1.0: stop), on the host."""
         if self._flag is None:
             with tf.init_scope(), tf.device("/cpu:0"):
-                self._flag = tf.Variable(float(self.requested), trainable=False,
-                                         name="stop_requested")
+                flag = tf.Variable(0.0, trainable=False, name="stop_requested")
+            self._flag = flag
+            if self.requested:  # (asked before the flag was there)
+                flag.assign(1.0)
         return self._flag
 
     def _handle(self, signum, frame) -> None:
@@ -158,7 +172,7 @@ class StopSignals:
             if self.requested:
                 return
             self.requested, self.signal = True, why
-        at = f" (the run is past step {self.at_step})" if self.at_step is not None else ""
+        at = f" (the run is past step {self.at_step()})" if self.at_step else ""
         logging.warning("%s: stopping after the current step%s: a checkpoint of it will "
                         "be saved, then exit status %d%s", why, at, STOPPED_EXIT_CODE,
                         again)
@@ -223,10 +237,13 @@ class StopSignals:
         return (lambda: self.requested) if alone else (lambda: False)
 
     @contextlib.contextmanager
-    def while_training(self) -> Iterator["StopSignals"]:
+    def while_training(self, at_step: Callable[[], int] | None = None
+                       ) -> Iterator["StopSignals"]:
         """From here a stop signal only sets `requested` (also after the block: the
         final outputs are written whole, then the command exits 75). Installs the
-        handlers for the block if no command did (the loop called directly)."""
+        handlers for the block if no command did (the loop called directly).
+        at_step: the run's step, as the line that answers a signal names it."""
+        self.at_step = at_step
         installed_here = not self._previous
         if installed_here:
             self.__enter__()

@@ -122,8 +122,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
         plan, start_step, config.batch_size, (display or sys.stderr) if is_chief else None,
         flops_per_image, peak)
     recorder = recorder_lib.Recorder(config.model_dir, is_chief, start_step, task,
-                                     f"{config.model} on {config.dataset}",
-                                     config.settings())
+                                     f"{config.model} on {config.dataset}", config.settings())
     wall = progress_lib.Stopwatch()
     run_callbacks.train_begin(callbacks_lib.Context.of(run, start_step, is_chief))
 
@@ -159,9 +158,9 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     current, evaluated_at = start_step, None
     profiler = progress_lib.Profiler(profile if is_chief else (),  # one trace, the chief's
                                      os.path.join(config.model_dir, "train"))
-    stop_flag = stop_signals.flag  # (made before a signal may set it)
     with recorder.status_on_exit(lambda: current), inputs.data_errors_explained(spec), (
-            stop_signals.while_training()), profiler.stopped_at_exit(), progress.live():
+            stop_signals.while_training(lambda: current)), profiler.stopped_at_exit(), (
+            progress.live()):
         train_iterator = iter(pipelines.train)
         while current < plan.total_steps:
             # Back in Python at every epoch's end too: the progress bar starts anew.
@@ -171,18 +170,15 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             if current == start_step:  # (otherwise silent for a while)
                 logging.info("Tracing the step%s; the first steps follow",
                              " and compiling it with XLA" if jit else "")
-            stop_signals.at_step = current
-            with progress_lib.Stopwatch() as watch:
-                # (stop_flag: read before every step, so a stop signal ends the call
-                # at the next step boundary: stop is then earlier)
+            with progress_lib.Stopwatch() as watch:  # (a stop request: fewer steps)
                 sums, stopping = train_loop(train_iterator, tf.constant(stop - current),
-                                            stop_flag)
+                                            stop_signals.flag)
                 sums = tf.nest.map_structure(lambda t: t.numpy(), sums)  # waits
             stop = current + int(sums.pop(distributed.STEPS_DONE)[0])
             profiler.after(stop)
             if current == start_step:  # what start-up costs: building, caching, tracing
                 progress_lib.log_first_steps(current + 1, stop, since_start.elapsed(),
-                                             train_loop, train_iterator, stop_flag)
+                                             train_loop, train_iterator, stop_signals.flag)
             nonfinite_at = int(sums.pop(distributed.NONFINITE_AT)[0])
             skipped = progress.add(sums, stop - current, watch.seconds)
             faults.check_steps(nonfinite_at, skipped, config.on_nan, current + 1, stop,
@@ -190,7 +186,6 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             current = stop
             learning_rate = float(schedule(current))  # that of the next step
             progress.show(current, learning_rate)
-            # One worker alone cannot stop: in multi-worker runs, wait for the sum.
             if float(stopping) > 0 or stop_requested():
                 stop_signals.signal = stop_signals.signal or "another worker's signal"
                 stop_here(current)

@@ -117,8 +117,7 @@ def main(argv: list[str]) -> None:
     except faults.PEER_FAILURES as err:
         if FLAGS.strategy != "multi_worker":
             raise
-        print(f"error: lost another worker ({type(err).__name__}: "
-              f"{str(err).splitlines()[0][:200]}); restart all workers with the same "
+        print(f"error: {faults.lost_peer(err)}; restart all workers with the same "
               f"command to resume from the last checkpoint", file=sys.stderr)
         _leave(4)
 
