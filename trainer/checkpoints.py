@@ -250,7 +250,7 @@ def restore_latest(checkpoint: tf.train.Checkpoint, model_dir: str,
                             str(err).splitlines()[0][:200] if str(err) else "")
             continue
         if path != paths[0]:
-            logging.warning("resuming from %s, the newest readable checkpoint", path)
+            logging.warning("%s is the newest readable checkpoint: using it", path)
         return path
     if paths:
         names = ", ".join(os.path.basename(p) for p in paths)
