@@ -149,8 +149,10 @@ def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(tmp_path,
     # Two replicas: the harder case (one replica is the in-process resume tests').
     # Streamed from TFRecord files (--cache=none), 1.5 epochs: the order of every
     # epoch, the windows skipped on resume and the decode are all in the check.
+    # Checkpoints written in the background (--async_checkpoints): a kill during a
+    # write leaves the one before it listed (direct writes: test_multi_worker.py).
     extra = ["--cpu_replicas=2", *AUTOENCODER, f"--dataset={generated_records}",
-             "--cache=none", "--shuffle_buffer=500"]
+             "--cache=none", "--shuffle_buffer=500", "--async_checkpoints"]
     reference = _main(*RESUME, *extra, f"--model_dir={tmp_path / 'ref'}")
     assert reference.returncode == 0, reference.stderr[-2000:]
     killed_dir = str(tmp_path / "killed")

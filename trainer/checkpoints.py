@@ -10,8 +10,12 @@ the run resumes from the newest readable one; a save that fails (no space, no
 permission) leaves no temporary files and stops the run with one line naming the
 directory and the last good checkpoint (CheckpointSaveError).
 """
+import contextlib
 import io
 import os
+import threading
+import uuid
+from typing import Iterator
 
 from absl import logging
 import tensorflow as tf
@@ -181,10 +185,11 @@ def restore_callbacks(callbacks, path: str) -> bool:
 
 
 def resume(state, callbacks, model_dir: str, keep: int, is_chief: bool = True,
-           task_id: int = 0) -> tf.train.CheckpointManager:
+           task_id: int = 0, asynchronous: bool = False):
     """The manager of the run's one checkpoint (the whole state and the callbacks'
-    state), the newest readable checkpoint in model_dir restored into it, if any.
-    Call under the strategy's scope."""
+    state), the newest readable checkpoint in model_dir restored into it, if any;
+    with `asynchronous`, a BackgroundSaver over it. Call under the strategy's
+    scope."""
     checkpoint = training_checkpoint(state, callbacks)
     # The state first, alone: a checkpoint from before the callbacks had state
     # still fits it; then the callbacks' state, if the file holds any.
@@ -192,7 +197,8 @@ def resume(state, callbacks, model_dir: str, keep: int, is_chief: bool = True,
     if restored:
         logging.info("Resumed from %s at step %d", restored, int(state.step.numpy()))
         restore_callbacks(callbacks, restored)
-    return make_manager(model_dir, checkpoint, keep, is_chief, task_id)
+    manager = make_manager(model_dir, checkpoint, keep, is_chief, task_id)
+    return BackgroundSaver(manager, keep) if asynchronous else manager
 
 
 def make_manager(model_dir: str, checkpoint: tf.train.Checkpoint, keep: int,
@@ -285,25 +291,139 @@ def check_same_step(strategy: tf.distribute.Strategy, step: int) -> None:
             f"rerun the same command")
 
 
-def save(manager: tf.train.CheckpointManager, step: int, state=None) -> None:
-    """Saves a checkpoint of `step` (given the state, only if every value in it is
-    finite: else NonFiniteError, nothing written). On failure (no space, no
-    permission, ...) the half-written `*_temp` directory is removed and
-    CheckpointSaveError names the directory and the last good checkpoint, which is
-    untouched."""
+def save(manager, step: int, state=None, wait: bool = False) -> None:
+    """Saves a checkpoint of `step` with the run's manager (a CheckpointManager, or
+    a BackgroundSaver, which writes it in the background unless `wait`), given the
+    state only if every value in it is finite: else NonFiniteError, nothing
+    written. On failure (no space, no permission, ...) the half-written files are
+    removed and CheckpointSaveError names the directory and the last good
+    checkpoint, which is untouched."""
     if state is not None:
         check_finite(state.compared_variables(), f"the checkpoint of step {step}", step)
+    if isinstance(manager, BackgroundSaver):
+        manager.save(step)
+        if wait:
+            manager.finish()
+        return
     try:
         manager.save(checkpoint_number=step)
     except (tf.errors.OpError, OSError) as err:
-        directory = manager.directory
-        for name in tf.io.gfile.listdir(directory) if tf.io.gfile.isdir(directory) else []:
-            if name.rstrip("/").endswith(f"ckpt-{step}_temp"):  # this save's, not a
-                tf.io.gfile.rmtree(os.path.join(directory, name))  # peer's
-        last = manager.latest_checkpoint
-        # "{{function_node ...}} /dir/ckpt-4_temp/...; File too large" -> the cause
-        reason = files.reason_of(err)
-        raise CheckpointSaveError(
-            f"could not save the checkpoint of step {step} in {directory} ({reason}); "
-            f"the last good checkpoint is {last or 'none'}: free space or fix the "
-            f"permissions, then rerun the same command to resume from it") from err
+        raise _save_failed(manager.directory, step, files.reason_of(err),
+                           manager.latest_checkpoint) from err
+
+
+def _save_failed(directory: str, step: int, reason: str, last: str | None
+                 ) -> CheckpointSaveError:
+    """The error of a failed save of `step`, its temporaries removed (a
+    CheckpointManager's `ckpt-N_temp`, a BackgroundSaver's `ckpt-N.*.tmp-<hex>`:
+    only this writer writes ckpt-N in its directory)."""
+    for name in tf.io.gfile.listdir(directory) if tf.io.gfile.isdir(directory) else []:
+        name = name.rstrip("/")
+        if name == f"ckpt-{step}_temp" or (name.startswith(f"ckpt-{step}.")
+                                           and ".tmp-" in name):
+            path = os.path.join(directory, name)
+            (tf.io.gfile.rmtree if tf.io.gfile.isdir(path) else tf.io.gfile.remove)(path)
+    # "{{function_node ...}} /dir/ckpt-4_temp/...; File too large" -> the cause
+    return CheckpointSaveError(
+        f"could not save the checkpoint of step {step} in {directory} ({reason}); "
+        f"the last good checkpoint is {last or 'none'}: free space or fix the "
+        f"permissions, then rerun the same command to resume from it")
+
+
+class BackgroundSaver:
+    """--async_checkpoints: a save copies the state into host memory (a checkpoint
+    written to TensorFlow's `ram://` file system, while the steps wait), and a
+    thread of its own copies those files into the run directory while the next
+    steps run: each file to a temporary name of its own, then renamed, the data
+    before the index, so a checkpoint is listed only whole; then the index file
+    lists it and the oldest beyond `keep` are removed. At most one write is in
+    flight: the next save, and `finish()`, wait for it, and a write that failed
+    is raised there as the CheckpointSaveError of its own step (its temporaries
+    removed; the checkpoints before it intact). Every worker saves at the same
+    step, as with the manager (the copy to memory is the same collective save)."""
+
+    def __init__(self, manager: tf.train.CheckpointManager, keep: int):
+        self.manager, self.keep = manager, keep
+        self.directory = manager.directory
+        self._stage = f"ram://tfloop-checkpoints-{os.getpid()}-{id(self):x}"
+        self._thread: threading.Thread | None = None
+        self._writing: int | None = None  # the step of the write in flight
+        self._error: BaseException | None = None
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The newest checkpoint saved or being saved (its files may still be
+        being written: `finish()` first to read it)."""
+        if self._writing is not None:
+            return os.path.join(self.directory, f"ckpt-{self._writing}")
+        return tf.train.latest_checkpoint(self.directory)
+
+    def save(self, step: int) -> None:
+        self.finish()
+        checkpoint = self.manager.checkpoint
+        checkpoint.save_counter.assign_add(1)  # (as the manager's save: restore reads it)
+        staged = checkpoint.write(f"{self._stage}/ckpt-{step}")
+        self._writing = step
+        self._thread = threading.Thread(target=self._persist, args=(staged, step),
+                                        daemon=True, name=f"write ckpt-{step}")
+        self._thread.start()
+
+    def finish(self) -> None:
+        """Waits for the write in flight; its failure is raised here."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        step, error = self._writing, self._error
+        self._thread, self._writing, self._error = None, None, None
+        if error is not None:
+            raise _save_failed(self.directory, step, files.reason_of(error),
+                               tf.train.latest_checkpoint(self.directory)) from error
+
+    def _persist(self, staged: str, step: int) -> None:
+        try:
+            names = [os.path.basename(p) for p in tf.io.gfile.glob(staged + ".*")]
+            tf.io.gfile.makedirs(self.directory)
+            for name in sorted(names, key=lambda n: n.endswith(".index")):  # index last
+                final = os.path.join(self.directory, name)
+                temporary = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
+                tf.io.gfile.copy(os.path.join(self._stage, name), temporary)
+                tf.io.gfile.rename(temporary, final, overwrite=True)
+            self._list(step)
+        except BaseException as err:  # noqa: BLE001 (raised by finish, in the loop)
+            self._error = err
+        finally:
+            for path in tf.io.gfile.glob(staged + ".*"):
+                tf.io.gfile.remove(path)
+
+    def _list(self, step: int) -> None:
+        """The index file lists the newest `keep` checkpoints (written whole,
+        atomically, by TensorFlow); then the older ones' files are removed."""
+        steps = sorted({step_of(p[:-len(".index")]) for p in
+                        tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*.index"))})
+        kept = [os.path.join(self.directory, f"ckpt-{s}") for s in steps[-self.keep:]]
+        tf.compat.v1.train.update_checkpoint_state(self.directory, kept[-1], kept)
+        for old in steps[:-self.keep]:
+            for path in tf.io.gfile.glob(os.path.join(self.directory, f"ckpt-{old}.*")):
+                tf.io.gfile.remove(path)
+
+
+def finish_writes(manager) -> None:
+    """No background write left in flight (a BackgroundSaver's: its failure is
+    raised here); a CheckpointManager has none."""
+    if isinstance(manager, BackgroundSaver):
+        manager.finish()
+
+
+@contextlib.contextmanager
+def writes_finished(manager) -> Iterator[None]:
+    """A block after which no background write is left running. Left by an error,
+    a write that failed too is only logged: the first error is the one to see."""
+    try:
+        yield
+    except BaseException:
+        try:
+            finish_writes(manager)
+        except CheckpointSaveError as err:
+            logging.warning("%s", err)
+        raise
+    finish_writes(manager)

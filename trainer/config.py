@@ -123,6 +123,10 @@ class RunSettings:
     checkpoint_every: int = _(0, "Steps between checkpoints (0: every epoch's end).",
                               low=0, resume=True)
     keep_checkpoints: int = _(3, "Checkpoints kept.", low=0, low_open=True, resume=True)
+    async_checkpoints: bool = _(False, "Write checkpoints in the background: the steps "
+                                "wait only while the state is copied to host memory; "
+                                "a checkpoint is listed once written whole.",
+                                resume=True)
     resume_with_changes: bool = _(False, "Continue the run in --model_dir although "
                                   "settings that change what is trained differ from "
                                   "its own (each change is recorded in its "

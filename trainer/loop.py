@@ -95,7 +95,8 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     progress_lib.log_setup(run, runtime, flops_per_image, peak)
     with strategy.scope():  # everything the state holds, all of it restored
         manager = checkpoints.resume(state, run_callbacks, config.model_dir,
-                                     config.keep_checkpoints, is_chief, task_id)
+                                     config.keep_checkpoints, is_chief, task_id,
+                                     config.async_checkpoints)
     # state.step is the one step counter: schedules, data position, draws, logs.
     start_step = int(state.step.numpy())
     if strategy_lib.is_multi_worker(strategy):  # all from the same checkpoint, or none
@@ -129,7 +130,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     def stop_here(at_step: int) -> None:
         """A stop signal: this step saved, exit 75; the same command resumes."""
         locks.check_held(config.model_dir)
-        checkpoints.save(manager, at_step, state)  # (metrics.json: recorder's "stopped")
+        checkpoints.save(manager, at_step, state, wait=True)  # (metrics.json: "stopped")
         raise faults.Preempted(f"stopped by {stop_signals.signal}: saved a checkpoint at step "
                                f"{at_step} in {config.model_dir}; run the same command "
                                f"to resume")
@@ -158,9 +159,9 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     current, evaluated_at = start_step, None
     profiler = progress_lib.Profiler(profile if is_chief else (),  # one trace, the chief's
                                      os.path.join(config.model_dir, "train"))
-    with recorder.status_on_exit(lambda: current), inputs.data_errors_explained(spec), (
-            stop_signals.while_training(lambda: current)), profiler.stopped_at_exit(), (
-            progress.live()):
+    with (recorder.status_on_exit(lambda: current), inputs.data_errors_explained(spec),
+          stop_signals.while_training(lambda: current), profiler.stopped_at_exit(),
+          progress.live(), checkpoints.writes_finished(manager)):  # (no write left)
         train_iterator = iter(pipelines.train)
         while current < plan.total_steps:
             # Back in Python at every epoch's end too: the progress bar starts anew.
@@ -213,8 +214,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     weights_sha256 = recorder.save_evaluated_weights(checkpoints.WEIGHTS_FILE,
                                                      run.output_model, state)
     metrics = {
-        **progress.summary(current), "steps": current,
-        "epochs": current / plan.steps_per_epoch,
+        **progress.summary(current), "steps": current, "epochs": current / plan.steps_per_epoch,
         **({"stopped_early": run_callbacks.stop_reason} if run_callbacks.stop_reason
            else {}),
         "resumed_from_step": start_step, "weights_sha256": weights_sha256,
