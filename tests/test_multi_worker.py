@@ -131,7 +131,7 @@ def _sha(model_dir: str) -> str:
         return json.load(f)["weights_sha256"]
 
 
-@pytest.mark.long(150)  # seconds, with -n 2
+@pytest.mark.long(210)  # seconds, with -n 3 in .ci/run
 def test_worker_1_alone_stopped_while_it_writes_a_checkpoint_or_paused_for_15_s(tmp_path):
     """Two of worker 1's troubles, each against an uninterrupted 2-worker run:
     SIGTERM to worker 1 alone while it writes a checkpoint (its ckpt-N_temp is
