@@ -55,6 +55,20 @@ def reason_of(err: Exception) -> str:
     return message.split("}}")[-1].rsplit(";", 1)[-1].strip()[:160]
 
 
+def make_parent(path: str, flag: str) -> None:
+    """Creates the directories above `path` that are missing, as `mkdir -p` (a
+    command's output path, `flag`, may name a new place); WriteError with the
+    cause (permission, read-only file system, no space) if they cannot be."""
+    parent = os.path.dirname(path.rstrip("/"))
+    if not parent or tf.io.gfile.isdir(parent):
+        return
+    try:
+        tf.io.gfile.makedirs(parent)
+    except (tf.errors.OpError, OSError) as err:
+        raise WriteError(f"{flag}={path}: cannot create {parent} ({reason_of(err)}); "
+                         f"choose a place you can write to") from err
+
+
 def _remove_quietly(path: str) -> None:
     try:
         if tf.io.gfile.isdir(path):

@@ -458,6 +458,17 @@ def test_export_round_trip_matches_the_keras_model(tmp_path):
     assert names == [sources.CIFAR10_CLASSES[i] for i in expected.argmax(-1)]
     with pytest.raises(Exception, match="not empty"):
         export.export(str(tmp_path / "run"), str(tmp_path / "export"))
+    # A new place, its parents missing (the docs' `--export_dir=export/cnn` in a
+    # fresh checkout): made, as mkdir -p. One that cannot be: one line, the cause.
+    nested = tmp_path / "exports" / "of" / "cnn"
+    assert export.export(str(tmp_path / "run"), str(nested)) == str(nested)
+    assert tf.saved_model.load(str(nested)).signatures["predict_images"]
+    (tmp_path / "a_file").write_text("not a directory")  # (root passes a chmod)
+    from data import files
+    with pytest.raises(files.WriteError, match=r"--export_dir=.*a_file/new/cnn: cannot "
+                       r"create .*a_file/new \(") as error:
+        export.export(str(tmp_path / "run"), str(tmp_path / "a_file" / "new" / "cnn"))
+    assert "\n" not in str(error.value)
 
 
 def test_predict_works_without_the_tfrecord_files(tmp_path, tiny_config):

@@ -86,6 +86,7 @@ def export(model_dir: str, export_dir: str) -> str:
         archive.add_endpoint(name, fn, input_signature=signature)
     # Whole or not at all: written beside export_dir, then renamed to it. The
     # temporary names its writer, so that a later export removes it if killed.
+    files.make_parent(export_dir, "--export_dir")  # (a new place: as mkdir -p)
     _remove_killed_exports(export_dir)
     with files.written_whole(export_dir) as tmp:
         tf.io.gfile.makedirs(tmp)
