@@ -55,11 +55,22 @@ def reason_of(err: Exception) -> str:
     return message.split("}}")[-1].rsplit(";", 1)[-1].strip()[:160]
 
 
+def parent_of(path: str) -> str:
+    """The directory holding `path`, or "" for none to make: the working directory
+    (`name`), or a file system's root (`ram://name`: os.path.dirname would say
+    "ram:", a local folder of that name)."""
+    path = path.rstrip("/")
+    scheme, separator, rest = path.partition("://")
+    if separator:
+        return f"{scheme}://{rest.rsplit('/', 1)[0]}" if "/" in rest else ""
+    return os.path.dirname(path)
+
+
 def make_parent(path: str, flag: str) -> None:
     """Creates the directories above `path` that are missing, as `mkdir -p` (a
     command's output path, `flag`, may name a new place); WriteError with the
     cause (permission, read-only file system, no space) if they cannot be."""
-    parent = os.path.dirname(path.rstrip("/"))
+    parent = parent_of(path)
     if not parent or tf.io.gfile.isdir(parent):
         return
     try:
@@ -159,10 +170,15 @@ def read_json(path: str, shape: type = dict, keys: tuple[str, ...] = ()):
 def written_whole(path: str) -> Iterator[str]:
     """`with written_whole(path) as tmp:` write the file (or directory) `tmp`; at
     the end it is renamed to `path`, replacing a file (or an empty directory) of
-    that name. On failure the temporary is removed and WriteError names `path`; the
-    previous file stays. The one mechanism every writer here uses."""
+    that name. Directories above `path` that are missing are made first (an output
+    path may name a new place). On failure the temporary is removed and WriteError
+    names `path` and the cause; the previous file stays. The one mechanism every
+    writer here uses."""
     tmp = temporary_name(path.rstrip("/"))
     try:
+        parent = parent_of(path)
+        if parent and not tf.io.gfile.isdir(parent):  # a new place: as mkdir -p
+            tf.io.gfile.makedirs(parent)
         yield tmp
         if tf.io.gfile.isdir(path) and not tf.io.gfile.listdir(path):
             tf.io.gfile.rmtree(path)  # (an empty directory made beforehand)

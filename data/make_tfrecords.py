@@ -408,7 +408,7 @@ def write(source: str, output: str, image_size: int, shards: int,
     # The description says "complete": false until the last shard is written, so a
     # conversion cut short (a full disk, a kill) is refused by training, by name.
     description = os.path.join(tfrecords.directory(output), sources.TFRECORD_METADATA)
-    tf.io.gfile.makedirs(tfrecords.directory(output) or ".")
+    files.make_parent(output, "--output")  # (as mkdir -p; else one line, exit 5)
     files.write_json(description, {**meta, "complete": False,
                                    "output": output})
     if progress is not None:

@@ -208,6 +208,25 @@ def test_atomic_writes_leave_the_old_file_or_none_on_any_filesystem(monkeypatch)
     assert tf.io.gfile.listdir("ram://atomic") == ["metrics.json"]
 
 
+def test_an_output_path_in_a_new_place_is_made_or_is_one_line_with_the_cause(tmp_path):
+    """Every writer (write_atomically, written_whole: predict's images, lr_find's,
+    compare_runs' --plot, make_tfrecords' --output) makes the missing directories
+    above its file, as mkdir -p; where they cannot be made (a file in the way
+    here, a read-only file system for a user), WriteError names the file and the
+    cause, and nothing is left."""
+    nested = tmp_path / "new" / "place" / "lr_find.json"
+    files.write_json(str(nested), {"a": 1})
+    assert files.read_json(str(nested)) == {"a": 1}
+    files.write_json("ram://fresh/place/metrics.json", {"b": 2})  # (any file system)
+    assert files.read_json("ram://fresh/place/metrics.json") == {"b": 2}
+    (tmp_path / "a_file").write_text("in the way")
+    blocked = tmp_path / "a_file" / "sub" / "plot.png"
+    with pytest.raises(files.WriteError, match=rf"could not write {blocked} \(") as err:
+        files.write_atomically(str(blocked), b"png")
+    assert "\n" not in str(err.value)
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "new"]
+
+
 def test_tfrecord_shards_and_an_export_appear_whole(tmp_path, monkeypatch):
     real = tf.io.TFRecordWriter
 

@@ -187,7 +187,11 @@ def main(argv: list[str]) -> None:
         except files.LinkError as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
-        plot(runs, FLAGS.plot, FLAGS.target, metric, FLAGS.x)
+        try:
+            plot(runs, FLAGS.plot, FLAGS.target, metric, FLAGS.x)
+        except files.WriteError as err:  # (a read-only place, a full disk: the cause)
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(5)
 
 
 def define_flags() -> None:

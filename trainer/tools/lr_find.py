@@ -164,6 +164,9 @@ def main(argv: list[str]) -> None:
     except (faults.Preempted, faults.StoppedAtStartUp) as err:
         print(f"stopped: {err}", file=sys.stderr)
         sys.exit(faults.STOPPED_EXIT_CODE)
+    except files.WriteError as err:  # (a full disk, a read-only place: the cause)
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(5)
     print(f"suggested learning rate: {suggestion['steepest']:.3g} (steepest descent of "
           f"the loss); {suggestion['minimum_over_10']:.3g} (the minimum's / 10); "
           f"{len(test.rates)} steps from {FLAGS.lr_min:g}; "
