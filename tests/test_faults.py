@@ -358,6 +358,7 @@ def test_stop_signals_stop_start_up_at_once_and_training_at_the_next_save(signum
         # (a real program ends at StoppedAtStartUp; this one goes on, once the
         # watcher has read that signal, as it would before any training)
         seen(1)
+        stop.stopped_at_start_up = None  # (or training would not start: next test)
         with stop.while_training():
             assert float(stop.flag.numpy()) == 0.0
             os.kill(os.getpid(), signum)
@@ -365,6 +366,34 @@ def test_stop_signals_stop_start_up_at_once_and_training_at_the_next_save(signum
             assert stop.requested and stop.signal == signal.Signals(signum).name
             assert float(stop.flag.numpy()) == 1.0  # what the in-graph loop reads
     assert signal.getsignal(signum) is not stop._handle  # the previous one is back
+
+
+def test_a_start_up_stop_mangled_or_swallowed_on_its_way_still_stops():
+    """The handler's StoppedAtStartUp, raised inside C code, came out of
+    TensorFlow's tracing as `SystemError: bad argument to internal function`
+    (.ci/run, a SIGHUP 6 s into start-up): leaving the watcher's block, such an
+    error is the stop again; one a library swallowed is raised again as training
+    would start."""
+    def landed_in_c_code(stop):
+        try:
+            stop._handle(signal.SIGHUP, None)
+        except BaseException as err:  # noqa: BLE001 (what C code does with it)
+            raise SystemError("bad argument to internal function") from err
+
+    with pytest.raises(faults.StoppedAtStartUp, match="SIGHUP during start-up"):
+        with faults.StopSignals() as stop:
+            landed_in_c_code(stop)
+    with pytest.raises(faults.StoppedAtStartUp, match="SIGTERM during start-up"):
+        with faults.StopSignals() as stop:
+            try:
+                stop._handle(signal.SIGTERM, None)
+            except BaseException:  # noqa: BLE001 (a library's catch-all)
+                pass
+            with stop.while_training():
+                pytest.fail("training started after a stop signal")
+    with pytest.raises(ValueError):  # (any other error stays itself)
+        with faults.StopSignals():
+            raise ValueError("not a signal")
 
 
 @pytest.mark.long(8)  # seconds, with -n 2

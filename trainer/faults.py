@@ -129,6 +129,7 @@ class StopSignals:
         self.signals_seen = 0  # by the watcher thread
         self._maintenance: MaintenanceWatcher | None = None
         self._previous_wakeup = -1
+        self.stopped_at_start_up: StoppedAtStartUp | None = None
 
     @property
     def flag(self) -> tf.Variable:
@@ -145,9 +146,13 @@ class StopSignals:
         """Python's handler, in the main thread once it runs bytecode again."""
         del frame
         if not self.training:
-            raise StoppedAtStartUp(f"{signal_name(signum)} during start-up, before any "
-                                   f"training step; nothing was left half-written: run "
-                                   f"the same command to start")
+            # Kept: raised where the program is, it may land inside C code that turns
+            # it into a SystemError (seen in TensorFlow's tracing), or in a library's
+            # `except Exception`; __exit__ and while_training raise it again.
+            self.stopped_at_start_up = StoppedAtStartUp(
+                f"{signal_name(signum)} during start-up, before any training step; "
+                f"nothing was left half-written: run the same command to start")
+            raise self.stopped_at_start_up
         if self._wakeup is None:  # (no watcher thread: answer here)
             self._stop_requested(signum)
 
@@ -220,10 +225,13 @@ class StopSignals:
             self._install()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type=None, exc=None, traceback=None) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous = {}
+        if isinstance(exc, Exception) and self.stopped_at_start_up is not None:
+            # (the signal's exception, mangled by the code it landed in)
+            raise self.stopped_at_start_up from exc
         if self._wakeup is not None:
             signal.set_wakeup_fd(self._previous_wakeup)
             write_end = self._wakeup[1]
@@ -243,6 +251,8 @@ class StopSignals:
         final outputs are written whole, then the command exits 75). Installs the
         handlers for the block if no command did (the loop called directly).
         at_step: the run's step, as the line that answers a signal names it."""
+        if self.stopped_at_start_up is not None:  # (swallowed on its way: again)
+            raise self.stopped_at_start_up
         self.at_step = at_step
         installed_here = not self._previous
         if installed_here:
