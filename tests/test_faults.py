@@ -199,9 +199,8 @@ def test_ctrl_c_in_a_long_loop_says_so_at_once_saves_the_next_step_and_resumes(t
     model_dir = str(tmp_path / "run")
     proc = _start(model_dir, "--train_steps=100000", "--checkpoint_every=100000",
                   "--steps_per_loop=100000", "--log_every=100000", "--eval_every=100000")
-    deadline = time.time() + 240
     while "Tracing the step" not in (line := proc.stdout.readline()):
-        assert (line or proc.poll() is None) and time.time() < deadline, "no training"
+        assert line or proc.poll() is None, "the run ended before training"
     proc.send_signal(signal.SIGINT)  # during the first call: tracing, then steps
     output = proc.communicate(timeout=240)[0]
     assert proc.returncode == faults.STOPPED_EXIT_CODE, output[-2000:]

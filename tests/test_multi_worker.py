@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from test_faults import _sha
 from test_main import ROOT
 
 # No batch-norm, no dropout, no shuffle or augmentation: global batch k holds the
@@ -123,12 +124,6 @@ class _Launched:
         status = self.proc.wait(timeout=400)
         time.sleep(0.2)  # (the reader's last lines)
         return status, "".join(self.lines)
-
-
-def _sha(model_dir: str) -> str:
-    import json
-    with open(os.path.join(model_dir, "metrics.json")) as f:
-        return json.load(f)["weights_sha256"]
 
 
 @pytest.mark.long(210)  # seconds, with -n 3 in .ci/run

@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
+from trainer import strategy as strategy_lib
 from trainer.settings import ConfigError
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -256,7 +257,7 @@ def make_train_loop(strategy: tf.distribute.Strategy, replica_fn, jit_compile: b
         time_input = not determinism_enabled()
     # One program drives every replica (one worker, or a TPU's single client): its
     # own flag is the answer. Several workers: the sum of theirs.
-    several_workers = strategy.extended._in_multi_worker_mode()  # noqa: SLF001
+    several_workers = strategy_lib.is_multi_worker(strategy)
 
     @tf.function
     def train_loop(iterator, num_steps: tf.Tensor, stop_flag):

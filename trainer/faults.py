@@ -289,9 +289,9 @@ def on_google_cloud() -> bool:
     if os.environ.get(METADATA_HOST_ENV):
         return True
     try:
-        with open("/sys/class/dmi/id/product_name") as f:
+        with tf.io.gfile.GFile("/sys/class/dmi/id/product_name") as f:
             return "Google" in f.read()
-    except OSError:
+    except (OSError, tf.errors.OpError):
         return False
 
 
