@@ -1,8 +1,8 @@
 """Write a TFDS dataset, a folder of class sub-folders or generated JPEGs as sharded
 TFRecords.
 
-    python -m data.make_tfrecords --source=tf_flowers --output=DIR/flowers --image_size=192
-    python -m data.make_tfrecords --source=PHOTOS_DIR --output=DIR/photos --shards=16
+    python -m trainer.tools.make_tfrecords --source=tf_flowers --output=DIR/flowers --image_size=192
+    python -m trainer.tools.make_tfrecords --source=PHOTOS_DIR --output=DIR/photos --shards=16
 
 Images fill image_size x image_size as the codelab's do (resized so the shorter side
 is image_size, aspect ratio kept, then centre-cropped) and are stored as JPEG (quality
@@ -18,9 +18,9 @@ Generated data for scale tests (`--source=generated`): learnable JPEGs (quality 
 a pure function of its index and `--generated_seed`: the same command writes the same
 bytes. A validation set is another seed (the class patterns do not depend on it):
 
-    python -m data.make_tfrecords --source=generated --num_examples=200000 \
+    python -m trainer.tools.make_tfrecords --source=generated --num_examples=200000 \
         --image_size=224 --classes=100 --shards=256 --output=DIR/train/gen
-    python -m data.make_tfrecords --source=generated --num_examples=10000 \
+    python -m trainer.tools.make_tfrecords --source=generated --num_examples=10000 \
         --image_size=224 --classes=100 --generated_seed=1 --output=DIR/validation/gen
     python -m trainer.main --dataset='tfrecord:DIR/train/gen*.tfrec;eval=DIR/validation/gen*.tfrec'
 
@@ -28,9 +28,9 @@ What a lossy copy costs, measured: `--jpeg_round_trip=75` passes every image onc
 more through JPEG at quality 75 before storing it (our CIFAR-10 copy went through
 JPEG ~75 once; see docs/results.md):
 
-    python -m data.make_tfrecords --source=cifar10 --image_size=32 --encoding=png \
+    python -m trainer.tools.make_tfrecords --source=cifar10 --image_size=32 --encoding=png \
         --jpeg_round_trip=75 --output=DIR/train/cifar10 --shards=8
-    python -m data.make_tfrecords ... --split=test --output=DIR/test/cifar10
+    python -m trainer.tools.make_tfrecords ... --split=test --output=DIR/test/cifar10
 
 Progress goes to stderr: a live bar on a terminal, else a plain line every
 --progress_seconds (or --progress_records), then the total, the time and the rate.

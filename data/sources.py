@@ -9,7 +9,7 @@ TFRecord datasets are named (quote it in a shell: `;` ends a command there)
 
 e.g. `'tfrecord:gs://bucket/flowers/train*.tfrec;eval=gs://bucket/flowers/val*.tfrec'`.
 Patterns are tf.io.gfile globs: gs:// works wherever a local path does. The files are
-our writer's (python -m data.make_tfrecords, with a dataset.json beside them) or the
+our writer's (python -m trainer.tools.make_tfrecords, with a dataset.json beside them) or the
 flowers codelab's as they are (no dataset.json, no `index` feature):
 - classes: dataset.json's class names, else `classes=N`, else the length of the first
   record's `one_hot_class`, else the largest `class` + 1 in the first
@@ -240,10 +240,10 @@ def _read_metadata(path: str) -> dict | None:
     except (ValueError, TypeError) as err:
         raise DatasetError(f"{path} is not a dataset description with a class_names list "
                            f"({type(err).__name__}); rewrite it with python -m "
-                           f"data.make_tfrecords, or delete it") from err
+                           f"trainer.tools.make_tfrecords, or delete it") from err
     if meta.get("complete") is False:  # (descriptions from before it: complete)
         raise DatasetError(f"{path}: the conversion to {meta.get('output', 'these files')} "
-                           f"did not finish (python -m data.make_tfrecords stopped part "
+                           f"did not finish (python -m trainer.tools.make_tfrecords stopped part "
                            f"way: a full disk, a kill); run it again")
     return meta
 
@@ -261,7 +261,7 @@ def _tfrecord_spec(name: str) -> DatasetSpec:
     if meta is None and not paths:
         raise DatasetError(f"no {TFRECORD_METADATA} beside {pattern!r} and no TFRecord "
                            f"files match it: check the path, or write them with python -m "
-                           f"data.make_tfrecords")
+                           f"trainer.tools.make_tfrecords")
     eval_pattern = options.get("eval", "")
     if eval_pattern:
         shared = set(paths) & set(tfrecords.files(eval_pattern))
@@ -277,7 +277,7 @@ def _tfrecord_spec(name: str) -> DatasetSpec:
                 "int64_list"):
             raise DatasetError(f"{paths[0]}: the records have features {sorted(features)}, "
                                f"not an image (bytes) and a class (int64) as the flowers "
-                               f"codelab and python -m data.make_tfrecords write them")
+                               f"codelab and python -m trainer.tools.make_tfrecords write them")
         base = _SPECS["tf_flowers"]
         class_names = _class_names(paths, features, override)
         size = _image_size(paths[0], features)
@@ -526,7 +526,7 @@ def check_count(spec: DatasetSpec, validation: bool, read: int, promised: int) -
 def restore_advice(spec: DatasetSpec) -> str:
     """What to do about data files that are cut short or miscounted."""
     if spec.tfrecord_pattern:
-        return "restore the data (or rewrite it with python -m data.make_tfrecords)"
+        return "restore the data (or rewrite it with python -m trainer.tools.make_tfrecords)"
     return f"restore the data (or prepare it again: tfds build {spec.name.split(':')[0]})"
 
 

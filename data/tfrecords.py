@@ -65,7 +65,7 @@ def record_count(path: str) -> int:
     match = _COUNT.search(path)
     if not match:
         raise DatasetError(f"cannot count the records of {path}: TFRecord file names must "
-                           f"end in -COUNT.tfrec, as python -m data.make_tfrecords writes")
+                           f"end in -COUNT.tfrec, as python -m trainer.tools.make_tfrecords writes")
     return int(match.group(1))
 
 
@@ -152,7 +152,7 @@ def files(pattern: str) -> list[str]:
                            ) from err
     if not paths:
         raise DatasetError(f"no TFRecord files match {pattern!r}; check the path, or write "
-                           f"them with python -m data.make_tfrecords")
+                           f"them with python -m trainer.tools.make_tfrecords")
     return paths
 
 
@@ -259,5 +259,5 @@ def corrupt_record(paths: list[str], num_classes: int | None = None) -> str | No
             message = str(err).splitlines()[0].split("}}")[-1].split(" [Op:")[0]
             message = message.split("' failed with ")[0].strip(" '")
             return (f"corrupt or truncated TFRecord file {path} (after record {index}): "
-                    f"{message[:120]}; rewrite it with python -m data.make_tfrecords")
+                    f"{message[:120]}; rewrite it with python -m trainer.tools.make_tfrecords")
     return None

@@ -254,7 +254,7 @@ def run(command):
 @pytest.fixture(scope="session")
 def generated_records(tmp_path_factory) -> str:
     """A streamable dataset: 2,048 generated 32x32 JPEGs (10 classes) in 8 TFRecord
-    files and 256 validation ones in 2 (python -m data.make_tfrecords
+    files and 256 validation ones in 2 (python -m trainer.tools.make_tfrecords
     --source=generated); returns its --dataset name."""
     from data import make_tfrecords
     root = tmp_path_factory.mktemp("generated")

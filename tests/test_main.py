@@ -324,3 +324,55 @@ def test_a_command_without_a_supported_tensorflow_stops_in_one_line(tmp_path):
     # (2.19 alone, or beside a tensorflow-cpu build: two builds)
     assert len(lines) == 1 and lines[0].startswith("error: ") and (
         "tensorflow 2.19.1" in lines[0]), lines
+
+
+def test_a_models_or_data_of_the_users_never_stands_in_for_the_projects(tmp_path):
+    """The distribution's import names `models` and `data` are common in
+    researchers' own folders. Wherever such a module sits, in the working directory
+    or on PYTHONPATH before the project, the commands import the project's own
+    (trainer/__init__.py); `--import` of such a name, or a script that imported its
+    own `models` before trainer, is one line saying what to rename."""
+    theirs = 'print("THEIRS WAS IMPORTED")\nLOGITS = None\n'
+    places = {"models.py here": tmp_path / "a", "data/ package here": tmp_path / "b",
+              "data/ folder of files here": tmp_path / "c",
+              "models.py and data/ on PYTHONPATH": tmp_path / "d"}
+    for place in places.values():
+        place.mkdir()
+    (tmp_path / "a" / "models.py").write_text(theirs)
+    (tmp_path / "b" / "data").mkdir()
+    (tmp_path / "b" / "data" / "__init__.py").write_text(theirs)
+    (tmp_path / "c" / "data").mkdir()
+    (tmp_path / "c" / "data" / "train.csv").write_text("x,y\n1,2\n")
+    path_dir = tmp_path / "on_path"
+    (path_dir / "data").mkdir(parents=True)
+    (path_dir / "models.py").write_text(theirs)
+    (path_dir / "data" / "__init__.py").write_text(theirs)
+
+    def command(args, cwd, pythonpath=None):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+        if pythonpath:
+            env["PYTHONPATH"] = f"{pythonpath}:{env.get('PYTHONPATH', '')}"
+        return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    helps = {name: command(["-m", "trainer.main", "--help"], place,
+                           path_dir if "PYTHONPATH" in name else None)
+             for name, place in places.items()}
+    for name, process in helps.items():
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, (name, err[-2000:])
+        assert "Traceback" not in err and "THEIRS" not in out + err, (name, err[-2000:])
+        assert "--model_dir" in out, name  # the help itself
+
+    one_line = {"--import=models": command(["-m", "trainer.main", "--import=models",
+                                            "--help"], tmp_path / "a"),
+                "their models first": command(["-c", "import models; import trainer"],
+                                              tmp_path / "a")}
+    errors = {name: process.communicate(timeout=300)[1].strip().splitlines()
+              for name, process in one_line.items()}
+    for name, lines in errors.items():
+        assert "another name" in lines[-1] and "my_models" in lines[-1], (name, lines)
+    # (the command: one line and the status of bad input; a script: an ImportError)
+    assert one_line["--import=models"].returncode == 2, errors
+    assert len(errors["--import=models"]) == 1, errors
+    assert one_line["their models first"].returncode == 1, errors
+    assert errors["their models first"][-1].startswith("ImportError: "), errors

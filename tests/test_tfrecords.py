@@ -137,7 +137,7 @@ def _make_tfrecords(*args: str, quiet_env: bool = True) -> subprocess.CompletedP
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     if not quiet_env:
         env.pop("TF_CPP_MIN_LOG_LEVEL")
-    return subprocess.run([sys.executable, "-m", "data.make_tfrecords", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "trainer.tools.make_tfrecords", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
 
 

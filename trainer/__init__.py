@@ -69,6 +69,47 @@ def tensorflow_problem() -> str | None:
     return None
 
 
+# The distribution installs three import names, `trainer`, `models` and `data`,
+# that a researcher's own repository very often holds too (a models.py, a data/
+# package): with `python -m`, the working directory comes first on sys.path and
+# theirs would be imported in place of ours ("module 'models' has no attribute
+# 'LOGITS'"). The framework's own two are therefore always imported from beside
+# this package, wherever the command runs; theirs stay importable under another
+# name (docs/own-code.md).
+OWN_PACKAGES = ("models", "data")
+PACKAGES_ROOT = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+
+
+class _OwnPackagesFirst:
+    """A sys.meta_path finder: `models` and `data` (and so their submodules) from
+    PACKAGES_ROOT, before sys.path is searched."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        del path, target
+        if fullname not in OWN_PACKAGES:
+            return None
+        from importlib import machinery
+        return machinery.PathFinder.find_spec(fullname, [PACKAGES_ROOT])
+
+
+def _import_own_packages_first() -> None:
+    """Installs _OwnPackagesFirst. A `models` or `data` of someone else's imported
+    before this package (a script of theirs that imports its own `models`, then
+    trainer) cannot be undone: one ImportError saying so."""
+    for name in OWN_PACKAGES:
+        module = _sys.modules.get(name)
+        where = _os.path.abspath(getattr(module, "__file__", None) or "?")
+        if module is not None and not where.startswith(PACKAGES_ROOT + _os.sep):
+            raise ImportError(
+                f"{where} was imported as `{name}` before trainer, whose own `{name}` "
+                f"package it needs: give yours another name (e.g. my_{name}), or "
+                f"import trainer first")
+    if not any(isinstance(finder, _OwnPackagesFirst) for finder in _sys.meta_path):
+        _sys.meta_path.insert(0, _OwnPackagesFirst())
+
+
+_import_own_packages_first()
+
 # `python -m trainer.main`: Python imports this package first, with sys.argv[0]
 # "-m" while it finds the module (never so under pytest or an `import trainer`).
 _program = getattr(_sys, "orig_argv", [])[1:3]

@@ -21,6 +21,12 @@ import importlib
 import importlib.metadata
 import sys
 
+import trainer
+
+# The import names this project's distribution installs (trainer/__init__.py).
+OWN_NAMES = ("trainer", *trainer.OWN_PACKAGES)
+OWN_ROOT = trainer.PACKAGES_ROOT  # (the folder holding all three)
+
 ENTRY_POINT_GROUP = "tfloop.plugins"
 FLAG = "import"  # --import (the Config field is `imports`: `import` is a keyword)
 
@@ -38,6 +44,11 @@ def import_modules(text: str) -> tuple[str, ...]:
     """Imports the modules 'MODULE[,MODULE]' (those imported already are not run
     again); returns their names. UserCodeError, one line, if one cannot be."""
     for name in names_of(text):
+        if name in OWN_NAMES:  # (already imported: the framework's own, not theirs)
+            raise UserCodeError(f"--{FLAG}={name}: `{name}` is the framework's own "
+                                f"package, imported from {OWN_ROOT} wherever the "
+                                f"command runs; give your module another name "
+                                f"(e.g. my_{name}) and import that")
         if name in sys.modules:
             continue
         try:
