@@ -250,7 +250,7 @@ def build(name: str, num_classes: int | None, input_shape: tuple[int, int, int],
     whole_model = weights is not None and weights.endswith(".weights.h5")
     kwargs = parse_options(name, options)
     if weights and not whole_model:
-        if "backbone_weights" not in inspect.signature(model_entry.builder).parameters:
+        if not takes_backbone_weights(name):
             raise ValueError(f"--weights={weights}: {name} takes only a .weights.h5 file "
                              f"saved from the same model")
         kwargs["backbone_weights"] = weights
@@ -264,6 +264,12 @@ def build(name: str, num_classes: int | None, input_shape: tuple[int, int, int],
             raise ValueError(f"--weights={weights} does not fit {model.name}: "
                              f"{str(err).splitlines()[0]}") from err
     return model
+
+
+def takes_backbone_weights(name: str) -> bool:
+    """Whether model `name` loads a pretrained backbone (--weights=imagenet or a
+    backbone file, e.g. xception's): without one, it starts from random weights."""
+    return "backbone_weights" in inspect.signature(entry(name).builder).parameters
 
 
 def features_of(model: keras.Model) -> keras.Model:

@@ -173,3 +173,15 @@ def test_every_model_has_a_sane_flop_count(name):
     height, width, _ = _shape(name)
     assert 2 * kernel_weights <= flops.forward_flops_of(model) <= (
         2 * kernel_weights * height * width)
+
+
+def test_the_log_says_a_backbone_starts_from_random_weights_unless_given_some():
+    """xception's recipe fine-tunes in the codelab; here it trains from scratch
+    unless --weights names ImageNet's or a file, and the set-up log says so."""
+    from trainer.output import progress
+    assert models.takes_backbone_weights("xception")
+    assert not models.takes_backbone_weights("cifar_cnn")
+    said = progress.initial_weights("xception", "none")
+    assert said.startswith("random") and "from scratch" in said and "imagenet" in said
+    assert progress.initial_weights("cifar_cnn", "none") == "random (--weights=none)"
+    assert progress.initial_weights("xception", "imagenet").startswith("imagenet")

@@ -266,6 +266,18 @@ def state_checksum(state) -> str:
     return digest.hexdigest()
 
 
+def initial_weights(model: str, weights: str) -> str:
+    """--weights in words: above all, that a model with a pretrained backbone to
+    fine-tune (xception) starts from random weights unless --weights names some."""
+    if weights not in ("", "none"):
+        return f"{weights} (--weights; a resumed run's come from its checkpoint)"
+    if models.takes_backbone_weights(model):
+        return (f"random, {model}'s backbone too: this trains from scratch, not "
+                f"fine-tunes (--weights=imagenet: ImageNet's, Keras' download; or "
+                f"--weights=PATH: Keras' notop file, or a run's model.weights.h5)")
+    return "random (--weights=none)"
+
+
 def log_setup(run, runtime, flops_per_image: float, peak: float) -> None:
     """The set-up of `run` (trainer/build.py's Run: its config, data, plan, task,
     state and step) on `runtime`'s devices in a few log lines, before the first
@@ -275,6 +287,7 @@ def log_setup(run, runtime, flops_per_image: float, peak: float) -> None:
     precision, jit = runtime.precision, runtime.jit
     logging.info("Model input: %s (%s's input_range)",
                  models.INPUT_RANGES[models.entry(config.model).input_range], config.model)
+    logging.info("Initial weights: %s", initial_weights(config.model, config.weights))
     logging.info("Strategy: %s", runtime.describe())
     logging.info("Batch: global %d = %d replicas x %d per replica%s | precision %s | "
                  "XLA %s", config.batch_size, runtime.num_replicas,
