@@ -55,6 +55,14 @@ def reason_of(err: Exception) -> str:
     return message.split("}}")[-1].rsplit(";", 1)[-1].strip()[:160]
 
 
+def what_to_do(reason: str) -> str:
+    """The advice for a write that failed with `reason` (reason_of's): free space
+    for a full disk, another place for a permission or a read-only file system."""
+    if "space" in reason.lower() or "quota" in reason.lower():
+        return "free space there or choose another directory"
+    return "choose a directory you can write to"
+
+
 def parent_of(path: str) -> str:
     """The directory holding `path`, or "" for none to make: the working directory
     (`name`), or a file system's root (`ram://name`: os.path.dirname would say

@@ -65,6 +65,8 @@ def test_cli_trains_and_writes_weights_and_metrics_with_a_quiet_log(tmp_path):
     ("--model=xception --model_size=full --image_size=32", "at least 71x71"),
     ("--dataset=tfrecord:/nonexistent/x*.tfrec", "no dataset.json beside "
      "'/nonexistent/x*.tfrec'"),
+    ("--flagfile /nonexistent/flags.txt", "error: --flagfile=/nonexistent/flags.txt: "
+     "cannot read it (No such file or directory); give the path of a file of flags"),
 ])
 def test_bad_input_is_one_line_and_exit_status_2(tmp_path, run, flag, message):
     """One case per place a bad value is caught (flag checks, dataset table, batch
@@ -125,7 +127,8 @@ def test_bad_flag_values_are_named_with_the_valid_ones(tiny_config, change, mess
 
 
 def test_helpfull_documents_every_flag_with_its_default():
-    result = _main("--helpfull")  # absl exits with status 1 after printing help
+    result = _main("--helpfull")  # (absl's own exits 1 after printing it)
+    assert result.returncode == 0, result.stderr[-2000:]
     for name in REQUIRED_FLAGS:
         assert f"--{name}" in result.stdout
     assert "(default: '1024')" in result.stdout

@@ -9,6 +9,7 @@ import os
 import pytest
 import tensorflow as tf
 
+from data import files
 from test_main import TINY
 from trainer import checkpoints, config as config_lib, run_dir, run_settings
 
@@ -245,7 +246,7 @@ def test_a_full_disk_for_tensorboard_is_a_write_error_not_a_traceback(tmp_path):
     from trainer.output import summaries
     (tmp_path / "train").write_text("a file where the summaries' folder goes")
     with pytest.raises(files.WriteError, match=r"could not write the TensorBoard "
-                       r"summaries in .*; free space there or choose another"):
+                       r"summaries in .*; choose a --model_dir you can write to"):
         summaries.Writer(str(tmp_path))
 
 
@@ -403,7 +404,28 @@ def test_a_lock_that_cannot_be_written_is_one_line_and_leaves_no_temporary(
                                                f"left on device")
 
     monkeypatch.setattr(tf.io.gfile, "GFile", full_disk_name)
-    with pytest.raises(checkpoints.CheckpointError, match=r"cannot write .*writer.lock "
+    with pytest.raises(files.WriteError, match=r"cannot write .*writer.lock "
                        r"\(No space left on device\); free space there or choose"):
         locks.acquire(str(tmp_path / "run"), "trainer.main")
     assert not [n for n in os.listdir(tmp_path / "run") if "tmp-" in n]
+
+
+def test_a_run_directory_that_cannot_be_written_says_why_and_exits_5(tmp_path, run,
+                                                                     monkeypatch):
+    """A read-only mount or `chattr +i` (root ignores chmod, so the test stands
+    them in): the cause and what to do, in one line, and exit 5 (a file that could
+    not be written), not a full disk's advice and the exit of bad settings."""
+    from trainer import locks
+
+    def read_only(path, mode="r"):
+        raise tf.errors.PermissionDeniedError(None, None, f"{path}; Read-only file system")
+    monkeypatch.setattr(tf.io.gfile, "GFile", read_only)
+    with pytest.raises(files.WriteError, match=r"cannot write .*writer.lock \(Read-only "
+                       r"file system\); choose a directory you can write to"):
+        locks.acquire(str(tmp_path / "run"), "trainer.main")
+    monkeypatch.undo()
+    (tmp_path / "a_file").write_text("in the way of the run directory")
+    status, log = run(*TINY, f"--model_dir={tmp_path / 'a_file' / 'run'}")
+    errors = _errors(log)
+    assert status == 5 and len(errors) == 1, log[-2000:]
+    assert "cannot create" in errors[0] and "choose a directory you can write" in errors[0]

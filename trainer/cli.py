@@ -130,6 +130,23 @@ def _flag_help(flag: flags.Flag) -> str:
         f"{shown}: {flag.help}")
 
 
+HELPFULL_ARGS = ("-helpfull", "--helpfull")
+FLAGFILE_ARGS = ("-flagfile", "--flagfile")
+
+
+def _flag_error(err: flags.Error, given: list[str]) -> str:
+    """absl's parse error in one line; a --flagfile it cannot open said as such
+    (absl's reads "ERROR:: Unable to open flagfile: [Errno 2] ...")."""
+    text = " ".join(str(err).split())
+    if "Unable to open flagfile" in text:
+        names = [arg.split("=", 1)[1] if "=" in arg else next_arg for arg, next_arg
+                 in zip(given, given[1:] + [""]) if arg.split("=")[0] in FLAGFILE_ARGS]
+        cause = text.split("]", 1)[-1].split(":")[0].strip() if "]" in text else text
+        return (f"--flagfile={names[-1] if names else '?'}: cannot read it ({cause}); "
+                f"give the path of a file of flags, one --name=value a line")
+    return text
+
+
 def parse_absl_flags(flag_values: flags.FlagValues, argv: list[str]) -> list[str]:
     """absl's parsing, but an unknown, malformed or missing required flag is one
     `error: ...` line on stderr and exit status 2, like every other user error;
@@ -143,10 +160,13 @@ def parse_absl_flags(flag_values: flags.FlagValues, argv: list[str]) -> list[str
         print(grouped_help(flag_values, getattr(sys.modules["__main__"], "__doc__", "")
                            or ""))
         sys.exit(0)
+    if any(arg in HELPFULL_ARGS for arg in given):  # (absl's own exits 1)
+        app.usage(shorthelp=False, writeto_stdout=True)
+        sys.exit(0)
     try:
         argv = flag_values(argv)
     except flags.Error as err:
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        print(f"error: {_flag_error(err, given)}", file=sys.stderr)
         sys.exit(2)
     if not flag_values["verbosity"].present:
         logging.set_verbosity(logging.WARNING)

@@ -209,8 +209,8 @@ def acquire(directory: str, command: str) -> Lock:
     try:
         tf.io.gfile.makedirs(directory)
     except tf.errors.OpError as err:
-        raise CheckpointError(f"cannot create {directory}: {files.reason_of(err)}; "
-                              f"choose a writable directory") from err
+        raise files.WriteError(f"cannot create {directory} ({files.reason_of(err)}); "
+                               f"{files.what_to_do(files.reason_of(err))}") from err
     path = os.path.join(directory, LOCK_FILE)
     record = {**writer_record(), "token": uuid.uuid4().hex, "command": command,
               "since": time.time()}
@@ -219,9 +219,9 @@ def acquire(directory: str, command: str) -> Lock:
             if _create(path, record):
                 return Lock(path, record, made_directory)
         except (files.WriteError, OSError, tf.errors.OpError) as err:
-            raise CheckpointError(f"cannot write {path} ({files.reason_of(err)}); "
-                                  f"free space there or choose another directory"
-                                  ) from err
+            reason = files.reason_of(err)  # (a full disk, a read-only mount, chattr +i)
+            raise files.WriteError(f"cannot write {path} ({reason}); "
+                                   f"{files.what_to_do(reason)}") from err
         holder = _read(path)
         if holder is None:
             continue  # released meanwhile: try again

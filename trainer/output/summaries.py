@@ -34,10 +34,10 @@ def write_errors_explained(model_dir: str) -> Iterator[None]:
     try:
         yield
     except tf.errors.OpError as err:
+        reason = files.reason_of(err)
         raise files.WriteError(
-            f"could not write the TensorBoard summaries in {model_dir} "
-            f"({files.reason_of(err)}); free space there or choose another "
-            f"--model_dir") from err
+            f"could not write the TensorBoard summaries in {model_dir} ({reason}); "
+            f"{files.what_to_do(reason).replace('directory', '--model_dir')}") from err
 
 
 def _png_image(fig) -> tf.Tensor:
