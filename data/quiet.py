@@ -47,5 +47,25 @@ def set_native_log_level(argv: list[str]) -> None:
 
 def is_live_terminal(stream: IO) -> bool:
     """A bar only where a person watches: a TTY that is not a dumb terminal or CI."""
-    return (hasattr(stream, "isatty") and stream.isatty()
-            and os.environ.get("TERM") != "dumb" and not os.environ.get("CI"))
+    try:
+        tty = os.isatty(terminal_fd(stream))
+    except (AttributeError, OSError, ValueError):  # no fd (a test's StringIO)
+        tty = hasattr(stream, "isatty") and stream.isatty()
+    return tty and os.environ.get("TERM") != "dumb" and not os.environ.get("CI")
+
+
+# The real terminal while trainer/output/console.py filters fd 2 (a pipe then).
+_terminal_fd: int | None = None
+
+
+def set_terminal(fd: int | None) -> None:
+    """fd 2's terminal is `fd` (None: fd 2 itself again): is_live_terminal and
+    terminal_fd ask it."""
+    global _terminal_fd
+    _terminal_fd = fd
+
+
+def terminal_fd(stream: IO) -> int:
+    """The fd whose terminal `stream` ends on (fd 2's real one while filtered)."""
+    fd = stream.fileno()
+    return _terminal_fd if fd == 2 and _terminal_fd is not None else fd

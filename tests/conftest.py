@@ -231,8 +231,7 @@ def command(capsys, caplog):
         capsys.readouterr()
         with flagsaver.flagsaver(), caplog.at_level(logging.INFO, logger="absl"):
             try:
-                cli.parse_flags([module_name, *args, "--verbosity=0"])
-                module.main([module_name])
+                module.main(cli.parse_flags([module_name, *args, "--verbosity=0"]))
             except SystemExit as exit_:
                 status = exit_.code or 0
         log = "\n".join(record.getMessage() for record in caplog.records)

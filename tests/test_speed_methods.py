@@ -476,6 +476,10 @@ def test_compare_runs_shows_the_settings_that_differ_and_whole_curves(tmp_path, 
     assert (tmp_path / "by_step.png").read_bytes().startswith(b"\x89PNG")
     status, _, err = command("trainer.tools.compare_runs", f"--runs={tmp_path / 'none'}")
     assert status == 2 and err.strip().splitlines()[-1].startswith("error: ")
+    status, out, _ = command("trainer.tools.compare_runs", *dirs)  # (as arguments too)
+    assert status == 0 and "| s2 | 0.003 | 2 | 62.00% |" in out
+    status, _, err = command("trainer.tools.compare_runs")
+    assert status == 2 and err.strip().startswith("error: no runs to compare"), err
 
 
 def test_profile_busy_time_counts_overlapping_events_once():

@@ -30,6 +30,7 @@ from data import files  # noqa: E402
 from trainer import build, checkpoints, faults, locks, loop, run_flags  # noqa: E402
 from trainer import schedules  # noqa: E402
 from trainer import strategy as strategy_lib  # noqa: E402
+from trainer.output import console  # noqa: E402
 from trainer.settings import message_of  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -64,11 +65,14 @@ def _leave(status: int = 0, now: bool = False) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     std_logging.shutdown()
+    console.stop()  # its last lines to the terminal and the log file
     os._exit(status)
 
 
 def main(argv: list[str]) -> None:
     cli.refuse_arguments(argv)
+    if LEAVE_WHEN_DONE:  # (the program: short lines, the native noise to the log file)
+        console.start(verbose=FLAGS.verbosity >= 1)
     logging.set_verbosity(max(logging.INFO, FLAGS.verbosity))
     cli.quiet_library_logs(FLAGS.verbosity)
     # TF's own stderr handler would print its records a second time (absl's prints

@@ -19,11 +19,13 @@ import tensorflow as tf
 
 from data import files
 from trainer import config as config_lib, run_settings
+from trainer.output import console
 from trainer.checkpoints import (RUN_CONFIG, RUN_HISTORY, CheckpointError,
                                  trained_nothing, written_by_a_run)
 
 # What may be in a directory before its run_config.json: the lock (trainer/locks.py),
-# other workers' checkpoint copies, the schedule plot (trainer.main --plot_schedule).
+# other workers' checkpoint copies, the schedule plot (trainer.main --plot_schedule);
+# and the workers' log files (trainer/output/console.py).
 _NOT_A_RUNS_OWN = ("writer.lock", ".worker_tmp", "lr_schedule.png")
 
 
@@ -82,7 +84,8 @@ def check_previous_run(model_dir: str, run_config: dict
         # are not a run's (run_config.json.tmp-...)"; the 2-worker run failed.)
         others = [n.rstrip("/") for n in (tf.io.gfile.listdir(model_dir)
                                           if tf.io.gfile.isdir(model_dir) else [])
-                  if files.final_name(n.rstrip("/")) not in (*_NOT_A_RUNS_OWN, RUN_CONFIG)
+                  if (files.final_name(n.rstrip("/")) not in (*_NOT_A_RUNS_OWN, RUN_CONFIG)
+                      and not console.is_log_file(files.final_name(n.rstrip("/"))))
                   or n.rstrip("/") == RUN_CONFIG]
         if RUN_CONFIG not in others:  # (else another worker, the chief, wrote it
             if others:  # between the two looks: it is checked as any run's below)

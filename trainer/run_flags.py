@@ -66,7 +66,11 @@ def config_from_flags(flag_values: flags.FlagValues) -> config_lib.Config:
         {name for name in names if flag_values[flag_name(name)].present})
     if origin:
         values = config.settings()
-        logging.info("Recipe for %s: %s", config.model, ", ".join(
-            f"{name}={values[name]} ({source})" for name, source in origin.items()
-            if name in values))
+        taken = {name: source for name, source in origin.items() if name in values}
+        given = [name for name, source in taken.items() if source == "flag"]
+        # (what the recipe changes: a value it sets to the flag's default says nothing)
+        logging.info("Recipe %s: %s%s", config.model, " ".join(
+            f"{name}={values[name]}" for name, source in taken.items()
+            if source != "flag" and values[name] != flag_values[flag_name(name)].default
+            ) or "the defaults", f" (flags over it: {' '.join(given)})" if given else "")
     return run_settings.validate(config, models.names(), sources.names())

@@ -1,6 +1,7 @@
 """Progress lines, images/sec, ETA, the set-up log lines, what the first steps
 and the end say, the profiler's trace, and the weights' checksum."""
 import contextlib
+import dataclasses
 import hashlib
 import os
 import sys
@@ -14,7 +15,7 @@ from absl import logging
 
 import models
 from trainer import distributed, randomness, schedules
-from trainer.output import progress_bar
+from trainer.output import console, progress_bar
 
 
 def _duration(seconds: float) -> str:
@@ -285,6 +286,8 @@ def log_setup(run, runtime, flops_per_image: float, peak: float) -> None:
     measured)."""
     config, spec, plan, state = run.config, run.spec, run.plan, run.state
     precision, jit = runtime.precision, runtime.jit
+    # The run directory holds the run now: its log file gets every line, these too.
+    console.log_to(os.path.join(config.model_dir, console.log_file_name(runtime.strategy)))
     logging.info("Model input: %s (%s's input_range)",
                  models.INPUT_RANGES[models.entry(config.model).input_range], config.model)
     logging.info("Initial weights: %s", initial_weights(config.model, config.weights))
@@ -296,8 +299,12 @@ def log_setup(run, runtime, flops_per_image: float, peak: float) -> None:
                   f"{plan.per_replica_batch // config.grad_accum_steps})"
                   if config.grad_accum_steps > 1 else ""),
                  precision, "on" if jit else "off")
-    logging.info("Step: %s", ", ".join(
-        f"{name}={value}" for name, value in vars(run.step_options).items()))
+    changed = [f"{field.name}={getattr(run.step_options, field.name)}"
+               for field in dataclasses.fields(run.step_options)
+               if field.name not in ("batch_size", "total_steps")  # (in other lines)
+               and getattr(run.step_options, field.name) != field.default]
+    logging.info("Step: %s", " ".join(changed) or "the default (no clipping, "
+                 "accumulation, SAM or Lookahead)")
     settings = ", ".join(f"{k}={v}" for k, v in vars(run.task.settings).items())
     logging.info("Task: %s%s", config.task, f" ({settings})" if settings else "")
     sizes = ", ".join(f"{name} {model.count_params():,}" + (
@@ -321,7 +328,7 @@ def log_setup(run, runtime, flops_per_image: float, peak: float) -> None:
     if config.ema_decay:
         logging.info("Weight averaging: EMA with decay %g per step; evaluation and "
                      "model.weights.h5 use the average", config.ema_decay)
-    logging.info("LR schedule %s: %s", config.lr_schedule,
+    logging.info("Optimizer %s, LR schedule %s: %s", config.optimizer, config.lr_schedule,
                  schedules.describe(run.schedule))
     for name, note in run.optimizer_notes.items():  # (build.optimizer's changes)
         logging.info("Optimizer %s: %s", name, note)

@@ -17,6 +17,7 @@ from typing import IO, Callable, Sequence
 import tqdm
 
 # In data/ so data.make_tfrecords shares it; the loop calls progress_bar.is_live_terminal.
+from data import quiet
 from data.quiet import is_live_terminal  # noqa: F401
 
 
@@ -40,7 +41,7 @@ def terminal_width(stream: IO) -> int:
     """The columns of the terminal `stream` writes to (else of the process's
     terminal, $COLUMNS or 80)."""
     try:
-        return os.get_terminal_size(stream.fileno()).columns
+        return os.get_terminal_size(quiet.terminal_fd(stream)).columns
     except (AttributeError, OSError, ValueError):  # not a real terminal's stream
         return shutil.get_terminal_size().columns
 

@@ -155,9 +155,13 @@ def plot(runs: dict[str, dict], path: str, target: float,
 
 
 def main(argv: list[str]) -> None:
-    del argv
+    # Run directories as --runs=A,B or as arguments (`compare_runs runs/a runs/b`).
+    paths = [*filter(None, FLAGS.runs.split(",")), *argv[1:]]
+    if not paths and not FLAGS.groups:
+        print("error: no runs to compare: give their directories, --runs=A,B (or as "
+              "arguments), or --groups=NAME=GLOB,...", file=sys.stderr)
+        sys.exit(2)
     try:
-        paths = list(filter(None, FLAGS.runs.split(",")))
         names = [os.path.basename(d.rstrip("/")) for d in paths]
         if len(set(names)) < len(names):  # runs/a/s0 and runs/b/s0: the whole paths
             names = paths
