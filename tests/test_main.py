@@ -1,6 +1,7 @@
 """trainer.main end to end: the command line, bad input, real and mocked TFDS data."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -46,6 +47,12 @@ def test_cli_trains_and_writes_weights_and_metrics_with_a_quiet_log(tmp_path):
     # printed twice (by TF's own handler and absl's).
     assert "\r" not in result.stderr and "\x1b" not in result.stderr
     assert "INFO:tensorflow:" not in result.stderr
+    # The run's log.txt: every line it printed, in absl's full format (file:line).
+    kept = (tmp_path / "log.txt").read_text().splitlines()
+    printed = [line for line in result.stderr.splitlines() if line.strip()]
+    assert printed and set(printed) <= set(kept), (printed, kept)
+    assert any(re.match(r"I\d{4} [\d:.]+ +\d+ progress\.py:\d+\] Strategy: ", line)
+               for line in kept), kept
     assert (tmp_path / "summary.png").exists() and (tmp_path / "eval").is_dir()
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     for key in ("test_accuracy", "test_examples", "train_seconds", "images_per_second",
