@@ -57,6 +57,20 @@ def short_form(line: bytes, width: int) -> str:
                          break_on_hyphens=False, drop_whitespace=True)
 
 
+# The commands' own lines that are not log records: the last line of a failed or
+# stopped run, wrapped on a terminal as the log records are.
+ONE_LINERS = (b"error: ", b"stopped: ", b"warning: ")
+
+
+def wrapped(line: bytes, width: int) -> str:
+    """One of ONE_LINERS wrapped at word boundaries to `width` columns."""
+    text = line.decode("utf-8", "replace")
+    if width < 40:
+        return text
+    return textwrap.fill(text, width - 1, subsequent_indent="  ",
+                         break_on_hyphens=False, break_long_words=False)
+
+
 class LogFile:
     """The command's lines, rewritten whole to `path` once it is known."""
 
@@ -192,6 +206,8 @@ def main(argv: list[str]) -> None:
         if short and PREFIX.match(last) and not is_native(last):
             start = cleared or (b"\r\x1b[K" if partial else b"")  # (a line under the bar)
             screen.write(start + short_form(last, _width()).encode() + b"\n")
+        elif short and last.startswith(ONE_LINERS) and not partial:
+            screen.write(cleared + wrapped(last, _width()).encode() + b"\n")
         else:
             screen.write(line + b"\n")
         partial = b""  # (the bar's row now holds this line: it redraws below)
