@@ -5,9 +5,10 @@ In data/ so that data.make_tfrecords can use it without importing trainer/; the
 trainer's commands use it through trainer/cli.py and trainer/output/progress_bar.py.
 Imports nothing heavy: it runs before TensorFlow is imported.
 """
+import contextlib
 import os
 import sys
-from typing import IO
+from typing import IO, Iterator
 
 
 def wants_all_logs(argv: list[str]) -> bool:
@@ -34,11 +35,24 @@ def set_native_log_level(argv: list[str]) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if verbose else "2")
     if verbose or "tensorflow" in sys.modules:
         return
+    with native_stderr_muted():
+        import tensorflow as tf
+        tf.config.list_physical_devices()  # the device probing prints here
+
+
+@contextlib.contextmanager
+def native_stderr_muted(unless_verbose: bool = False) -> Iterator[None]:
+    """The process's native stderr (file descriptor 2: C++ lines, which no log level
+    hides) to /dev/null for the block. unless_verbose: not when TF_CPP_MIN_LOG_LEVEL
+    is 0 (--verbosity=1)."""
+    if unless_verbose and os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") == "0":
+        yield
+        return
+    sys.stderr.flush()
     saved, muted = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(muted, 2)
     try:
-        import tensorflow as tf
-        tf.config.list_physical_devices()  # the device probing prints here
+        yield
     finally:
         os.dup2(saved, 2)
         os.close(saved)

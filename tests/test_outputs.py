@@ -342,14 +342,16 @@ def test_plot_schedule_writes_a_png(tiny_config):
     assert not os.path.exists(os.path.join(tiny_config.model_dir, "metrics.json"))
 
 
-def _saved_tiny_model(model_dir) -> tf.keras.Model:
+def _saved_tiny_model(model_dir, precision: str = "float32", **settings) -> tf.keras.Model:
     """A model_dir as a finished run leaves it: run_config.json + model.weights.h5."""
     from trainer.config import Config
     os.makedirs(model_dir, exist_ok=True)
     tf.keras.utils.set_random_seed(4)
     model = models.build("cifar_cnn", 10, (32, 32, 3), tiny=True)
     model.save_weights(os.path.join(model_dir, "model.weights.h5"))
-    config = Config(model="cifar_cnn", model_size="tiny", dataset="cifar10")
+    config = Config(model="cifar_cnn", model_size="tiny", dataset="cifar10",
+                    precision=precision)
+    config = config.with_settings(**settings) if settings else config
     with open(os.path.join(model_dir, "run_config.json"), "w") as f:
         json.dump(config.as_dict(), f)
     return model
@@ -469,6 +471,68 @@ def test_export_round_trip_matches_the_keras_model(tmp_path):
                        r"create .*a_file/new \(") as error:
         export.export(str(tmp_path / "run"), str(tmp_path / "a_file" / "new" / "cnn"))
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.filterwarnings("ignore:.*tf.lite.Interpreter is deprecated")
+def test_export_tflite_serves_as_the_savedmodel_with_builtin_ops_alone(
+        tmp_path, monkeypatch, capfd):
+    """--tflite (issue 47): model.tflite, which the stock interpreter runs with
+    TFLite's builtin ops alone, takes uint8 [1, 32, 32, 3] and gives the
+    SavedModel's predict_images probabilities to 1e-4, normalization and the
+    6-view test-time augmentation inside, in float32 (the run's config says
+    mixed_bfloat16); labels.txt names the classes. A file that disagrees with the
+    SavedModel is not written: one line, exit 7."""
+    from trainer.serving import tflite
+    model = _saved_tiny_model(tmp_path / "run", precision="mixed_bfloat16",
+                              tta_flip=True, tta_translate=True)
+    said = []
+    out = export.export(str(tmp_path / "run"), str(tmp_path / "export"), tflite=True,
+                        say=said.append)
+    assert said[0] == f"wrote SavedModel {out}"
+    assert said[1].startswith(f"wrote {out}/model.tflite (") and said[1].endswith(
+        f"float32): uint8 [1, 32, 32, 3] (resize to 32x32 first) -> class_index, "
+        f"probabilities; class names: {out}/labels.txt"), said
+    assert said[2].startswith("  checked: max |TFLite - SavedModel| on 8 "), said
+    data = (tmp_path / "export" / "model.tflite").read_bytes()
+    capfd.readouterr()
+    tf.lite.experimental.Analyzer.analyze(model_content=data)
+    ops = set(re.findall(r"Op#\d+ (\w+)\(", capfd.readouterr().out))
+    # Builtins are named in capitals (a custom op by its own name, Select TF ops Flex*):
+    # the test-time augmentation's flip and reflect padding are in the file.
+    assert {"CONV_2D", "REVERSE_V2", "MIRROR_PAD", "SOFTMAX"} <= ops, ops
+    assert all(re.fullmatch(r"[A-Z0-9_]+", op) for op in ops), ops
+    interpreter = tf.lite.Interpreter(model_content=data)  # (fails on a custom op)
+    (given,) = interpreter.get_input_details()
+    assert list(given["shape"]) == [1, 32, 32, 3] and given["dtype"] == np.uint8
+    runner = interpreter.get_signature_runner()
+    images = _images(4)
+    served = tf.saved_model.load(out).signatures["predict_images"](
+        images=tf.constant(images))
+    rows = [runner(images=image[None]) for image in images]
+    assert all(row["probabilities"].dtype == np.float32 for row in rows)
+    probabilities = np.concatenate([row["probabilities"] for row in rows])
+    np.testing.assert_allclose(probabilities, served["probabilities"], atol=1e-4, rtol=0)
+    assert [int(row["class_index"][0]) for row in rows] == list(probabilities.argmax(-1))
+    # What is compared differs between images, and the augmentation changes it.
+    assert np.ptp(probabilities, axis=0).max() > 1e-3
+    assert np.abs(_expected_probabilities(model, images) - probabilities).max() > 1e-3
+    assert (tmp_path / "export" / "labels.txt").read_text().splitlines() == list(
+        sources.CIFAR10_CLASSES)
+
+    monkeypatch.setattr(tflite, "TOLERANCE", -1.0)  # no file can pass
+    with flagsaver.flagsaver():  # export's own flags, gone again afterwards
+        export.define_flags()
+        argv = export.FLAGS(["export", f"--model_dir={tmp_path / 'run'}",
+                             f"--export_dir={tmp_path / 'refused'}", "--tflite"])
+        with pytest.raises(SystemExit) as exit_info:
+            export.main(argv)
+    assert exit_info.value.code == export.TFLITE_MISMATCH_EXIT_CODE == 7
+    said = capfd.readouterr().err
+    error = [line for line in said.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "Traceback" not in said, said
+    assert error[0].startswith("error: model.tflite does not give the SavedModel's "
+                               "outputs: max |TFLite - SavedModel| on 8 "), error
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("refused")]
 
 
 def test_predict_works_without_the_tfrecord_files(tmp_path, tiny_config):

@@ -119,3 +119,23 @@ def test_the_coordination_service_takes_the_configuration_the_strategy_would_mak
     # The strategy configures the service only if none is: ours then stands.
     assert "context.context().coordination_service is None" in inspect.getsource(
         car.CollectiveAllReduceExtended._initialize_multi_worker)
+
+
+def test_convert_variables_to_constants_v2_freezes_a_keras_models_variables():
+    """trainer/serving/tflite.py: tensorflow.python.framework.convert_to_constants
+    .convert_variables_to_constants_v2(concrete_function) makes a Keras 3 model's
+    variables constants (TFLite's converter leaves them VAR_HANDLE ops whose values
+    the file lacks: NaN out), the outputs flat, in tf.nest's order."""
+    from tensorflow.python.framework import convert_to_constants
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    function = tf.function(lambda x: {"b": model(x) + 1.0, "a": model(x)}).get_concrete_function(
+        tf.TensorSpec((1, 3), tf.float32))
+    frozen = convert_to_constants.convert_variables_to_constants_v2(function)
+    assert not frozen.graph.variables and not any(
+        op.type in ("VarHandleOp", "ReadVariableOp") for op in frozen.graph.get_operations())
+    x = tf.ones((1, 3))
+    flat = frozen(x)
+    expected = function(x)
+    np.testing.assert_allclose(tf.nest.pack_sequence_as(function.structured_outputs, flat)["b"],
+                               expected["b"])
+    np.testing.assert_allclose(flat[0], expected["a"])  # (sorted keys: "a" first)

@@ -15,7 +15,7 @@ from conftest import CPUS, plain_and_compiled_states
 from test_check_step import _teacher_run
 from test_main import TINY
 from trainer import build, check_step, loop
-from trainer.serving import export, predict
+from trainer.serving import export, predict, tflite
 
 
 @pytest.fixture(scope="session")  # (a module fixture is rebuilt each time xdist returns)
@@ -54,7 +54,8 @@ def test_a_task_trains_on_two_replicas_passes_the_check_and_serves(
     tf.io.write_file(path, tf.io.encode_png(image))
     lines = predict.run(predict.parse([f"--model_dir={config.model_dir}", path,
                                        f"--output_dir={tmp_path / 'out'}"]))
-    exported = tf.saved_model.load(export.export(config.model_dir, str(tmp_path / "sm")))
+    exported = tf.saved_model.load(export.export(config.model_dir, str(tmp_path / "sm"),
+                                                 tflite=task == "autoencoder"))
     served = exported.signatures["predict_images"](images=tf.constant(image[None]))
     if task == "autoencoder":  # a reconstruction, as an image file and as pixels
         assert "reconstruction:" in lines[-1] and "dB" in lines[-1]
@@ -62,6 +63,14 @@ def test_a_task_trains_on_two_replicas_passes_the_check_and_serves(
         assert written.shape == (32, 32, 3)
         np.testing.assert_allclose(served["reconstruction"].numpy()[0], written.numpy(),
                                    atol=1)
+        # and as model.tflite's uint8 output (--tflite), to one level of rounding
+        data = (tmp_path / "sm" / "model.tflite").read_bytes()
+        from_tflite = tflite.run(data, image[None])
+        assert list(from_tflite) == ["reconstruction"]
+        assert from_tflite["reconstruction"].dtype == np.uint8
+        np.testing.assert_allclose(from_tflite["reconstruction"],
+                                   served["reconstruction"].numpy(), atol=1)
+        assert not (tmp_path / "sm" / "labels.txt").exists()  # (no classes)
     else:  # the student's classes
         assert lines[2].startswith("  1. class_")
         assert served["probabilities"].shape == (1, 10)

@@ -10,10 +10,18 @@ run's test-time augmentation; autoencoder: `reconstruction` uint8 [N, H, W, 3]):
 - `predict_images(images: uint8 [N, H, W, 3])`: decoded images of any one size.
 Both resize to the model's size and normalize exactly as evaluation does, so
 clients send plain pixels. Load with `tf.saved_model.load(OUT)`.
+
+With `--tflite`, OUT also holds model.tflite, for the stock `tf.lite.Interpreter`
+with builtin ops alone: uint8 [1, size, size, 3] at the model's size (the client
+resizes) -> the same numeric outputs (trainer/serving/tflite.py), and labels.txt,
+the class names. Before anything is written the file is checked against the
+SavedModel's predict_images on a few of the run's test images: a float output
+further than 1e-4 from it is one `error:` line, exit 7, and nothing written.
 """
 import os
 import sys
 import time
+from typing import Callable
 
 from trainer import cli  # noqa: E402
 
@@ -25,7 +33,7 @@ import tensorflow as tf  # noqa: E402
 
 from data import augment, files, sources  # noqa: E402
 from trainer import checkpoints, inputs, locks  # noqa: E402
-from trainer.serving import inference  # noqa: E402
+from trainer.serving import inference, tflite as tflite_lib  # noqa: E402
 from trainer.settings import message_of  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -68,8 +76,14 @@ def serving_functions(trained: inference.TrainedModel) -> dict:
                                                               tf.uint8, name="images")])}
 
 
-def export(model_dir: str, export_dir: str) -> str:
-    """Writes the SavedModel of the run in model_dir; returns export_dir."""
+TFLITE_MISMATCH_EXIT_CODE = 7  # --tflite: the file would not serve as the SavedModel
+
+
+def export(model_dir: str, export_dir: str, tflite: bool = False,
+           say: Callable[[str], None] | None = None) -> str:
+    """Writes the SavedModel of the run in model_dir (with `tflite`, model.tflite
+    and labels.txt in it too, checked); returns export_dir. `say` gets the lines
+    that tell what was written (main: print)."""
     files.refuse_links(export_dir, (model_dir,), "--export_dir")
     if tf.io.gfile.exists(export_dir) and tf.io.gfile.listdir(export_dir):
         raise inference.InferenceError(f"--export_dir={export_dir} exists and is not "
@@ -77,6 +91,8 @@ def export(model_dir: str, export_dir: str) -> str:
     trained = inference.TrainedModel(model_dir)
     checkpoints.check_finite([(v.path, v) for v in trained.model.weights],
                              f"the SavedModel {export_dir}")
+    # (Before anything is written: a run the file cannot serve is refused here.)
+    tflite_function = tflite_lib.serving_function(trained) if tflite else None
     archive = keras.export.ExportArchive()
     archive.track(trained.model)
     functions = trained.presenter.export_functions(
@@ -92,8 +108,49 @@ def export(model_dir: str, export_dir: str) -> str:
         tf.io.gfile.makedirs(tmp)
         files.write_json(os.path.join(tmp, _WRITER_FILE), locks.writer_record())
         archive.write_out(tmp, verbose=False)
+        written = (_write_tflite(trained, tflite_function, tmp, export_dir)
+                   if tflite_function else [])
         tf.io.gfile.remove(os.path.join(tmp, _WRITER_FILE))
+    for line in (f"wrote SavedModel {export_dir}", *written) if say else ():
+        say(line)
     return export_dir
+
+
+def _write_tflite(trained: inference.TrainedModel, function, tmp: str,
+                  export_dir: str) -> list[str]:
+    """Converts `function`, checks the file against the SavedModel written in tmp
+    (MismatchError if it disagrees) and writes it there, with labels.txt; the
+    lines that say so."""
+    data = tflite_lib.convert(function)
+    signatures = tf.saved_model.load(tmp).signatures
+    if "predict_images" not in signatures:  # (a research presenter's own signatures)
+        raise tflite_lib.TFLiteError("the SavedModel has no predict_images signature to "
+                                     "check model.tflite against: export it without "
+                                     "--tflite")
+    images, which = tflite_lib.check_images(trained)
+    expected = {key: value.numpy() for key, value in
+                signatures["predict_images"](images=tf.constant(images)).items()}
+    got = tflite_lib.run(data, images)
+    differences = tflite_lib.largest_differences(got, expected)
+    shown = ", ".join(f"{key} {value:.1e}" for key, value in differences.items())
+    if not tflite_lib.within_tolerance(differences, got):
+        raise tflite_lib.MismatchError(
+            f"model.tflite does not give the SavedModel's outputs: max |TFLite - "
+            f"SavedModel| on {which}: {shown} (at most {tflite_lib.TOLERANCE:g}, a "
+            f"uint8 output 1); nothing written (without --tflite: the SavedModel alone)")
+    with tf.io.gfile.GFile(os.path.join(tmp, tflite_lib.FILE), "wb") as f:
+        f.write(data)
+    labels = tflite_lib.labels(trained)
+    if labels:
+        with tf.io.gfile.GFile(os.path.join(tmp, tflite_lib.LABELS_FILE), "w") as f:
+            f.write(labels)
+    size = trained.image_size
+    return [f"wrote {os.path.join(export_dir, tflite_lib.FILE)} ({len(data) / 1e6:.2f} MB, "
+            f"float32): uint8 [1, {size}, {size}, 3] (resize to {size}x{size} first) -> "
+            f"{', '.join(got)}"
+            + (f"; class names: {os.path.join(export_dir, tflite_lib.LABELS_FILE)}"
+               if labels else ""),
+            f"  checked: max |TFLite - SavedModel| on {which}: {shown}"]
 
 
 _WRITER_FILE = "export_writer.json"  # in an export's temporary, until it is renamed
@@ -125,6 +182,11 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     A test calls this inside absl.testing.flagsaver: a required flag left defined
     would fail every later parse of FLAGS in the process."""
     cli.import_user_code(flag_values, sys.argv)
+    cli.define_flag(flag_values, flags.DEFINE_boolean, "tflite", False, "Also write "
+                    "model.tflite (float32, TFLite's builtin ops alone: uint8 [1, size, "
+                    "size, 3] at the model's size -> the outputs, normalization and "
+                    "test-time augmentation inside) and labels.txt into --export_dir, "
+                    "checked against the SavedModel first (exit 7 if they disagree).")
     for name, text in (("model_dir", "A training run's directory (one that has not "
                         "finished: its best.weights.h5, else its newest checkpoint)."),
                        ("export_dir", "New directory to write the SavedModel to.")):
@@ -136,15 +198,18 @@ def main(argv: list[str]) -> None:
     cli.refuse_arguments(argv)
     tf.config.set_visible_devices([], "GPU")
     try:
-        path = export(FLAGS.model_dir, FLAGS.export_dir)
+        export(FLAGS.model_dir, FLAGS.export_dir, FLAGS.tflite, say=print)
     except files.WriteError as err:
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(5)
-    except (inference.InferenceError, sources.DatasetError, checkpoints.CheckpointError,
-            checkpoints.NonFiniteError, ValueError) as err:  # (files.LinkError too)
+    except tflite_lib.MismatchError as err:
+        print(f"error: {message_of(err)}", file=sys.stderr)
+        sys.exit(TFLITE_MISMATCH_EXIT_CODE)
+    except (inference.InferenceError, tflite_lib.TFLiteError, sources.DatasetError,
+            checkpoints.CheckpointError, checkpoints.NonFiniteError,
+            ValueError) as err:  # (files.LinkError too)
         print(f"error: {message_of(err)}", file=sys.stderr)
         sys.exit(2)
-    print(f"wrote SavedModel {path}")
 
 
 if __name__ == "__main__":
