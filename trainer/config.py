@@ -89,7 +89,7 @@ class LoopSettings:
     measure_peak: bool = _(False, "Measure this device's matmul FLOP/s at start-up (a "
                            "few seconds) and show the step's FLOP/s as a fraction of "
                            "it.", topic="measuring", resume=True)
-    profile_steps: str = _("", "'A,B': write a TensorFlow profiler trace of steps A to B "
+    profile_steps: str = _("", "'A,B': write a TensorFlow profiler trace of steps A+1 to B "
                            "to the run's TensorBoard directory (model_dir/train, the "
                            "Profile tab); summarise it with python -m "
                            "trainer.tools.profile_summary.", topic="measuring",

@@ -167,16 +167,15 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             # Back in Python at every epoch's end too: the progress bar starts anew.
             stop = _next_stop(current, plan.total_steps, config.steps_per_loop,
                               plan.steps_per_epoch, *every.values(), marks=profiler.marks)
-            profiler.before(current)
             if current == start_step:  # (otherwise silent for a while)
                 logging.info("Tracing the step%s; the first steps follow",
                              " and compiling it with XLA" if jit else "")
-            with progress_lib.Stopwatch() as watch:  # (a stop request: fewer steps)
+            # (profiled: one step a call, marked; a stop request: fewer steps)
+            with profiler.step(current, stop), progress_lib.Stopwatch() as watch:
                 sums, stopping = train_loop(train_iterator, tf.constant(stop - current),
                                             stop_signals.flag)
                 sums = tf.nest.map_structure(lambda t: t.numpy(), sums)  # waits
             stop = current + int(sums.pop(distributed.STEPS_DONE)[0])
-            profiler.after(stop)
             if current == start_step:  # what start-up costs: building, caching, tracing
                 progress_lib.log_first_steps(current + 1, stop, since_start.elapsed(),
                                              train_loop, train_iterator, stop_signals.flag)

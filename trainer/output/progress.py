@@ -375,27 +375,38 @@ def log_done(describe: str, metrics: dict) -> None:
 
 
 class Profiler:
-    """--profile_steps A,B: a TensorFlow profiler trace of steps A to B in
-    `log_dir` (TensorBoard's Profile tab). `marks`: the steps the loop must stop at."""
+    """--profile_steps A,B: a TensorFlow profiler trace of steps A+1 to B in
+    `log_dir` (TensorBoard's Profile tab). `marks`: the steps the loop must stop at:
+    every one from A to B, so that each traced step is a call of its own, marked as
+    a step for XProf (its Overview Page finds no step in a trace without markers,
+    and one marker around many in-graph steps would be one step)."""
 
     def __init__(self, steps: tuple[int, int] | tuple, log_dir: str):
-        self.marks, self.log_dir, self.running = tuple(steps), log_dir, False
+        self.first, self.last = steps or (-1, -1)
+        self.marks = tuple(range(self.first, self.last + 1)) if steps else ()
+        self.log_dir, self.running = log_dir, False
 
-    def before(self, step: int) -> None:
-        """Starts the trace if `step` is its first."""
-        if self.marks and step == self.marks[0]:
+    @contextlib.contextmanager
+    def step(self, current: int, stop: int) -> Iterator[None]:
+        """Around the call that trains from step `current` to `stop`: starts the
+        trace at A, marks a traced call as step `current + 1` (XProf's step marker:
+        a root "train" event with a step_num), and stops the trace once `stop`
+        reaches B (an exception leaves that to `stopped_at_exit`)."""
+        if self.marks and current == self.first:
             tf.profiler.experimental.start(self.log_dir)
             self.running = True
-
-    def after(self, step: int) -> None:
-        """Stops the trace once `step` reaches its last."""
-        if self.running and step >= self.marks[1]:
+        if self.running:
+            with tf.profiler.experimental.Trace("train", step_num=current + 1, _r=1):
+                yield
+        else:
+            yield
+        if self.running and stop >= self.last:
             tf.profiler.experimental.stop()
             self.running = False
             run_dir = os.path.dirname(self.log_dir.rstrip("/"))
             logging.info("profiler trace of steps %d-%d in %s (TensorBoard's Profile tab; "
                          "python -m trainer.tools.profile_summary --logdir=%s)",
-                         self.marks[0], self.marks[1], self.log_dir, run_dir)
+                         self.first + 1, self.last, self.log_dir, run_dir)
 
     @contextlib.contextmanager
     def stopped_at_exit(self) -> Iterator[None]:
