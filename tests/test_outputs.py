@@ -177,23 +177,41 @@ def test_tensorboard_summaries_have_the_expected_tags(finished_run):
     assert drawn[-1] < grid.shape[0] - 0.05 * grid.shape[1]
 
 
-def _session_groups(logdir: str) -> list:
-    """TensorBoard's HParams table of `logdir`, as its plugin builds it."""
-    from tensorboard import context
+def _hparams_backend(logdir: str):
+    """TensorBoard's HParams plugin's view of `logdir`."""
     from tensorboard.backend.event_processing import data_provider
     from tensorboard.backend.event_processing import plugin_event_multiplexer
     from tensorboard.plugins import base_plugin
-    from tensorboard.plugins.hparams import api_pb2, backend_context, list_session_groups
+    from tensorboard.plugins.hparams import backend_context
     runs = plugin_event_multiplexer.EventMultiplexer()
     runs.AddRunsFromDirectory(logdir)
     runs.Reload()
     provider = data_provider.MultiplexerDataProvider(runs, logdir)
-    tb = backend_context.Context(base_plugin.TBContext(
+    return backend_context.Context(base_plugin.TBContext(
         logdir=logdir, multiplexer=runs, data_provider=provider))
+
+
+def _session_groups(logdir: str) -> list:
+    """TensorBoard's HParams table of `logdir`, as its plugin builds it."""
+    from tensorboard import context
+    from tensorboard.plugins.hparams import api_pb2, list_session_groups
     request = api_pb2.ListSessionGroupsRequest(
         allowed_statuses=[api_pb2.STATUS_UNKNOWN], start_index=0, slice_size=10)
     return list(list_session_groups.Handler(
-        context.RequestContext(), tb, "", request).run().session_groups)
+        context.RequestContext(), _hparams_backend(logdir), "", request).run().session_groups)
+
+
+def _hparams_columns(logdir: str) -> tuple[list[str], list[str]]:
+    """The HParams table's settings and metrics, in the order its page shows them
+    (the experiment's; the page moves those whose values differ to the front, as
+    the experiment has them already)."""
+    from tensorboard import context
+    from tensorboard.plugins.hparams import api_pb2, get_experiment
+    experiment = get_experiment.Handler(
+        context.RequestContext(), _hparams_backend(logdir), "",
+        api_pb2.GetExperimentRequest(hparams_limit=1000)).run()
+    return ([info.name for info in experiment.hparam_infos],
+            [info.name.tag for info in experiment.metric_infos])
 
 
 def test_tensorboard_hparams_text_and_histograms(finished_run):
@@ -201,11 +219,34 @@ def test_tensorboard_hparams_text_and_histograms(finished_run):
     settings and final metrics in the HParams table, the settings as Text, weight
     and gradient histograms at each evaluation."""
     from tensorboard.backend.event_processing import event_accumulator
+    from trainer import run_settings
+    from trainer.output import hparams
     config, metrics, _ = finished_run
-    [group] = _session_groups(config.model_dir)
+    groups = {group.name: group for group in _session_groups(config.model_dir)}
+    group = groups.pop(hparams.trial_id(config.model_dir))
     assert group.hparams["train_steps"].number_value == 8
     assert group.hparams["model"].string_value == "cifar_cnn"
     assert "model_dir" not in group.hparams
+    # Every setting has a visible value: an unset one is "(default)", not an empty
+    # cell (--augment='' is the dataset's own augmentation).
+    assert group.hparams["augment"].string_value == "(default)"
+    assert group.hparams["data_dir"].string_value == "(default)"
+    assert all(value.string_value for value in group.hparams.values()
+               if value.WhichOneof("kind") == "string_value")
+    # Beside it the recipe's row (no metrics): its values but the recipe's where the
+    # run differs from it ...
+    [recipe] = groups.values()
+    assert recipe.name == "recipe: cifar_cnn, synthetic" and not recipe.metric_values
+    assert recipe.hparams["train_steps"].number_value == 0
+    assert recipe.hparams["seed"] == group.hparams["seed"]
+    # ... so that those settings come first, then the rest by name; the metrics
+    # follow the settings, the test metrics first.
+    settings, metric_tags = _hparams_columns(config.model_dir)
+    changed = sorted(run_settings.changed_from_recipe(config.settings()))
+    assert "train_steps" in changed and "seed" not in changed
+    assert settings[:len(changed)] == changed
+    assert settings[len(changed):] == sorted(settings[len(changed):])
+    assert metric_tags[0] == "eval/accuracy"
     values = {m.name.tag: m.value for m in group.metric_values}
     assert values["eval/accuracy"] == pytest.approx(metrics["test_accuracy"])
     assert values["eval/loss"] == pytest.approx(metrics["test_loss"])
