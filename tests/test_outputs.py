@@ -317,6 +317,46 @@ def test_summary_png_and_metrics_curves(finished_run):
     assert np.trace(confusion) == round(metrics["test_accuracy"] * confusion.sum())
 
 
+CIFAR10 = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
+           "ship", "truck")
+TF_FLOWERS = ("dandelion", "daisy", "tulips", "sunflowers", "roses")
+
+
+@pytest.mark.parametrize("names, per_class", [(CIFAR10, 1000), (TF_FLOWERS, 110)])
+def test_the_confusion_matrix_reads_on_a_tensorboard_card(names, per_class):
+    """TensorBoard shows a picture in a card about 340 x 215 screen pixels
+    (figures.CARD): the confusion matrix's picture, as the summaries write it, fits
+    there at half its size (2 pixels a screen pixel, for HiDPI screens) with its
+    text at least 9 screen pixels high; every count drawn, inside its cell; the
+    rows' class names whole, the columns' upright, each a start of its name and
+    none touching the next."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from trainer.output import figures, summaries
+    rng = np.random.default_rng(0)
+    count = len(names)
+    matrix = rng.integers(0, per_class // (2 * count), (count, count))
+    np.fill_diagonal(matrix, 0)
+    matrix[np.diag_indices(count)] = per_class - matrix.sum(axis=1)
+    fig = figures.confusion(matrix, list(names), "epoch 50.00, test accuracy 0.8412")
+    height, width = summaries._png_image(fig).shape[1:3]
+    assert width / 2 <= figures.CARD[0] + 1
+    assert height / 2 <= 215 + 1  # the Time Series card's box, the strip below included
+    [ax] = fig.axes
+    texts = [*ax.texts, *ax.get_xticklabels(), *ax.get_yticklabels(), ax.title]
+    on_card = 80 / 72 / 2  # screen pixels a point is, at 80 dpi and half size
+    assert min(text.get_fontsize() * on_card for text in texts) >= 9 - 1e-6
+    assert sorted(int(t.get_text()) for t in ax.texts) == sorted(matrix.ravel())
+    FigureCanvasAgg(fig).draw()
+    cell = ax.get_window_extent().width / count
+    assert max(t.get_window_extent().width for t in ax.texts) < cell - 2
+    assert [t.get_text() for t in ax.get_yticklabels()] == list(names)
+    columns = ax.get_xticklabels()
+    assert all(t.get_rotation() == 0 and name.startswith(t.get_text().rstrip("."))
+               for t, name in zip(columns, names))
+    boxes = [t.get_window_extent() for t in columns]
+    assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:]))
+
+
 def test_summary_png_shows_a_short_run_and_its_settings():
     """A 30-step run's one log line and one evaluation, a --log_every=50 run's
     three: markers (a line of one point draws nothing), every panel from the

@@ -2,6 +2,7 @@
 grids of images (a task draws its predictions with them), a confusion matrix, and
 summary.png. Each function returns a Figure or draws into one; `png_bytes` encodes
 one (for files and TensorBoard images)."""
+import functools
 import io
 
 import matplotlib
@@ -130,22 +131,86 @@ def name_of(class_names, index: int) -> str:
     return class_names[index] if index < len(class_names) else str(index)
 
 
+# TensorBoard's image cards (measured in chromium, TensorBoard 2.21): the Time
+# Series tab fits a picture into a box 215 screen pixels high and as wide as its
+# card (about 340 at the default card width), the Images tab draws it 350 wide. A
+# picture to be read there is laid out in those screen pixels, at twice as many
+# image pixels (crisp on a HiDPI screen) at the 80 dpi of TensorBoard's pictures
+# (trainer/output/summaries.py), which add a white strip 6% of their width high.
+CARD = (340, 195)  # screen pixels: 215 high, less the strip
+CARD_PIXEL = 2 / 80  # inches: one screen pixel of a card
+CARD_FONT = 9  # screen pixels: the smallest text that reads on a card
+
+
+@functools.lru_cache(maxsize=1)
+def _default_font():
+    """matplotlib's default font (DejaVu Sans), at 100 pixels, to measure texts."""
+    from matplotlib import font_manager, ft2font
+    face = ft2font.FT2Font(font_manager.findfont(font_manager.FontProperties()))
+    face.set_size(100, 72)
+    return face
+
+
+def _card_text_width(text: str, font: float = CARD_FONT) -> float:
+    """`text`'s width in screen pixels at `font` pixels, as Agg lays it out (a
+    millisecond; a drawn text's extent costs five)."""
+    face = _default_font()
+    face.set_text(text, 0.0)
+    return face.get_width_height()[0] / 64 / 100 * font
+
+
+def _cut_to(name: str, width: float) -> str:
+    """`name`, or its longest start with a "." that is `width` screen pixels wide."""
+    if _card_text_width(name) <= width:
+        return name
+    cut = len(name) - 1
+    while cut > 1 and _card_text_width(name[:cut] + ".") > width:
+        cut -= 1
+    return name[:cut] + "."
+
+
 def confusion(matrix: np.ndarray, class_names, title: str = "") -> mpl_figure.Figure:
-    """Rows: true class; columns: predicted; cells: counts, shaded by row share."""
+    """Rows: true class; columns: predicted; cells: counts (up to 20 classes),
+    shaded by row share. Laid out for a TensorBoard card (CARD): 9-pixel text
+    there, cells at least as wide as their counts and a text line high, the
+    columns' names cut to fit (the rows' are whole, in the same order); more
+    classes than fit make a larger picture (the card's actual-size button shows
+    it)."""
     matrix = np.asarray(matrix, np.float64)
     shares = matrix / np.maximum(matrix.sum(axis=1, keepdims=True), 1)
     names = [name_of(class_names, i) for i in range(len(matrix))]
-    size = max(4.0, 0.45 * len(matrix) + 2)
-    labels = 0.45 + 0.075 * max(len(name) for name in names)  # tick labels + axis label
-    fig = mpl_figure.Figure(figsize=(size + labels, size + labels))
-    ax = fig.subplots(gridspec_kw=_margins(fig, left=labels, bottom=labels, top=0.45))
-    ax.imshow(shares, cmap="Blues", vmin=0, vmax=1)
-    ax.set_xticks(range(len(names)), names, rotation=90, fontsize=8)
-    ax.set_yticks(range(len(names)), names, fontsize=8)
-    ax.set(xlabel="predicted", ylabel="true", title=title or "confusion matrix")
-    if len(matrix) <= 20:
-        for (row, col), count in np.ndenumerate(matrix):
-            ax.text(col, row, f"{count:.0f}", ha="center", va="center", fontsize=7,
+    count, font, line = len(matrix), CARD_FONT, 1.3 * CARD_FONT
+    counts = count <= 20
+    names_width = max(_card_text_width(name) for name in names)
+    digits = len(f"{matrix.max():.0f}") if matrix.size else 1
+    left, right = 4 + line + names_width + 4, 6  # "true", the names, the ticks
+    top = 4 + 1.2 * (CARD_FONT + 1) * ((title or "x").count("\n") + 1) + 4
+    width = max(_card_text_width("0" * digits) + 6 if counts else 0, 10,
+                (CARD[0] - left - right) / count)
+    # The columns' names upright, cut to fit, if that leaves 4 characters of each
+    # and tells them apart; else (and beyond 20 classes) turned, whole.
+    columns = [_cut_to(name, width - 2) for name in names] if counts else names
+    upright = counts and len(set(columns)) == count and all(
+        cut == name or len(cut) - 1 >= 4 for cut, name in zip(columns, names))
+    bottom = 3 + (line if upright else names_width + 4) + line + 3
+    height = max(font + 5 if counts else 1.2 * font, (CARD[1] - top - bottom) / count)
+    fig = mpl_figure.Figure(figsize=((left + count * width + right) * CARD_PIXEL,
+                                     (top + count * height + bottom) * CARD_PIXEL))
+    ax = fig.subplots(gridspec_kw=_margins(
+        fig, left=left * CARD_PIXEL, right=right * CARD_PIXEL,
+        bottom=bottom * CARD_PIXEL, top=top * CARD_PIXEL))
+    ax.imshow(shares, cmap="Blues", vmin=0, vmax=1, aspect="auto")
+    pt = CARD_PIXEL * 72  # points a screen pixel of a card is
+    ax.set_xticks(range(count), columns if upright else names, rotation=0 if upright else 90,
+                  fontsize=font * pt)
+    ax.set_yticks(range(count), names, fontsize=font * pt)
+    ax.tick_params(length=2 * pt, pad=1.5 * pt)
+    ax.set_xlabel("predicted", fontsize=font * pt, labelpad=1 * pt)
+    ax.set_ylabel("true", fontsize=font * pt, labelpad=1 * pt)
+    ax.set_title(title or "confusion matrix", fontsize=(font + 1) * pt, pad=3 * pt)
+    if counts:
+        for (row, col), value in np.ndenumerate(matrix):
+            ax.text(col, row, f"{value:.0f}", ha="center", va="center", fontsize=font * pt,
                     color="white" if shares[row, col] > 0.5 else "black")
     return fig
 
