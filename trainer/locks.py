@@ -209,8 +209,9 @@ def acquire(directory: str, command: str) -> Lock:
     try:
         tf.io.gfile.makedirs(directory)
     except tf.errors.OpError as err:
-        raise files.WriteError(f"cannot create {directory} ({files.reason_of(err)}); "
-                               f"{files.what_to_do(files.reason_of(err))}") from err
+        reason = files.reason_of(err)
+        raise files.WriteError(f"cannot create {directory} ({reason}); "
+                               f"{files.what_to_do(reason)}") from err
     path = os.path.join(directory, LOCK_FILE)
     record = {**writer_record(), "token": uuid.uuid4().hex, "command": command,
               "since": time.time()}

@@ -28,6 +28,7 @@ import signal
 import sys
 import textwrap
 import time
+import uuid
 
 CONTROL = b"\x1e"  # ASCII record separator: starts a control line from the command
 WRITE_SECONDS = 2.0
@@ -89,7 +90,7 @@ class LogFile:
         self.path = path
         try:
             self.kept = _read(path)
-        except OSError:
+        except Exception:  # (unreadable: it is rewritten with this command's lines)
             self.kept = b""
         self.dirty = True
         self.write(force=True)
@@ -110,35 +111,50 @@ class LogFile:
 
 
 def _read(path: str) -> bytes:
-    if "://" in path:
-        import tensorflow as tf
-        if not tf.io.gfile.exists(path):
+    """The file's bytes, b"" if there is none."""
+    gfile = _gfile(path)
+    if gfile is not None:
+        if not gfile.exists(path):
             return b""
-        with tf.io.gfile.GFile(path, "rb") as f:
+        with gfile.GFile(path, "rb") as f:
             return f.read()
-    with open(path, "rb") as f:
-        return f.read()
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return b""
 
 
 def _write_whole(path: str, data: bytes) -> None:
-    """A temporary unique to this writer, then renamed over `path`."""
-    temporary = f"{path}.tmp-{os.getpid()}-{time.time_ns()}"
-    if "://" in path:
-        import tensorflow as tf
-        with tf.io.gfile.GFile(temporary, "wb") as f:
-            f.write(data)
-        tf.io.gfile.rename(temporary, path, overwrite=True)
-        return
+    """Written to a temporary named as data/files.py's temporary_name names them
+    (so a killed writer's is known as one and removed), then renamed over `path`;
+    on failure the temporary is removed and the previous file stays."""
+    temporary = f"{path}.tmp-{uuid.uuid4().hex}"
+    gfile = _gfile(path)
+    opened, rename, remove = ((gfile.GFile, lambda a, b: gfile.rename(a, b, overwrite=True),
+                               gfile.remove) if gfile is not None else
+                              (open, os.replace, os.remove))
     try:
-        with open(temporary, "wb") as f:
+        with opened(temporary, "wb") as f:
             f.write(data)
-        os.replace(temporary, path)
-    except OSError:
+        rename(temporary, path)
+    except Exception:
         try:
-            os.remove(temporary)
-        except OSError:
+            remove(temporary)
+        except Exception:  # (never made, or the file system refuses that too)
             pass
         raise
+
+
+def _gfile(path: str):
+    """tf.io.gfile for a path with a scheme (gs://, ram://), imported only then;
+    None for a local path, written with os: the filter starts in milliseconds
+    without TensorFlow (this departs from the project's every-path-through-gfile
+    rule for local files alone, deliberately)."""
+    if "://" not in path:
+        return None
+    import tensorflow as tf
+    return tf.io.gfile
 
 
 _OUT = 1  # our stdout: the command's terminal (or file)
