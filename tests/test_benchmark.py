@@ -1,6 +1,7 @@
 """The benchmark command runs and reports every case (never a speed: timing is
 noisy). It runs in this process, with its own flag parsing (conftest's `command`)."""
 import json
+import re
 
 import pytest
 
@@ -90,3 +91,28 @@ def test_conv_benchmark_reads_onednns_lines_and_counts_repeated_layers():
     table = conv_benchmark.table({"tf": parsed, "torch": parsed}, [(7, 256, 256)] * 2, 8)
     assert "| 7x7 256->256 (x2) | backward_weights | 11.0 | 11.0 | 1.00 |" in table
     assert "| **all six** | backward_weights | 22.0 | 22.0 | 1.00 |" in table
+
+
+def test_host_loop_benchmark_reads_ours_from_its_log_lines_and_tabulates_the_ratios():
+    from trainer.tools import host_loop_benchmark as host
+    line = ("I1207 20:17:25.395929 140275031108480 progress.py:173] step 200/1200  epoch "
+            "0.16  loss 2.3332  lr 0.001  132 img/s  ETA 0:00:07\n")
+    assert host._seconds(line) == (20 * 3600 + 17 * 60 + 25.395929, 200)
+    assert host._seconds("I1207 20:17:25.39 1 loop.py:1] Tracing the step\n") is None
+    rows = [{"replicas": 1, "steps_per_loop": 1,
+             "steps_per_second": {"bare": [50.0, 60.0, 55.0], "fit": [40.0, 44.0, 42.0],
+                                  "ours": [52.0, 53.0, 51.0]}}]
+    table = host.markdown(rows)
+    assert "| 1 | 1 | 55.0 (50, 60, 55) | 42.0 (40, 44, 42) | 52.0 (52, 53, 51) | 0.95 | 1.24 |" \
+        in table
+
+
+@pytest.mark.long(12)  # seconds, with -n 3
+def test_input_benchmark_reads_both_pipelines_and_gives_the_ratio(command):
+    status, stdout, log = command(
+        "trainer.tools.input_benchmark", "--dataset=cifar10", "--batch_size=16",
+        "--batches=2", "--warmup=1", "--rounds=1", "--cache=memory")
+    assert status == 0, log[-2000:]
+    assert re.search(r"\n\| ours \| [\d,]+ \| [\d,]+ \|", stdout), stdout
+    assert re.search(r"\n\| reference \| [\d,]+ \| [\d,]+ \|", stdout), stdout
+    assert re.search(r"ours / reference: \d+\.\d\d", stdout), stdout

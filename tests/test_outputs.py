@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import shutil
+import time
 
 from absl import logging as absl_logging
 from absl.testing import flagsaver
@@ -17,7 +18,7 @@ from conftest import small_tfrecord_dataset
 from data import sources
 import models
 from trainer import loop
-from trainer.output import progress as reporting, progress_bar
+from trainer.output import progress as reporting, progress_bar, startup
 from trainer.serving import export, predict
 
 pytestmark = pytest.mark.figures  # (conftest: other tests get blank PNGs)
@@ -71,6 +72,67 @@ def test_terminal_gets_a_live_bar_per_epoch_and_no_log_lines(caplog):
     assert "ETA epoch 0:00:00 run 0:00:01" in shown
     assert "ETA epoch 0:00:00 run 0:00:00" in shown
     assert "capture works" in caplog.text and "step 10/20" not in caplog.text
+
+
+def test_the_bar_is_drawn_at_most_every_show_every_and_at_each_epoch_end(monkeypatch):
+    """At --steps_per_loop=1 the loop shows every step: fitting the bar's fields to
+    the width, and the schedule's rate (a dozen eager ops), cost more than a small
+    model's step. Drawn at most every SHOW_EVERY seconds, and at every epoch's end."""
+    terminal = FakeTerminal()
+    bars = progress_bar.EpochBars(total_steps=20, steps_per_epoch=10, stream=terminal,
+                                  width=120)
+    progress = reporting.Progress(20, 10, 8, start_step=0, bars=bars)
+    clock = [100.0]
+    monkeypatch.setattr(reporting, "_clock", lambda: clock[0])
+    asked = []
+
+    def learning_rate() -> float:
+        asked.append(clock[0])
+        return 0.1
+
+    for step in range(1, 21):
+        progress.add({"loss": (8.0, 8.0)}, 1, 0.01)
+        progress.show(step, learning_rate)
+        if step in (3, 13):
+            clock[0] += reporting.SHOW_EVERY  # time passes: the next step is drawn
+    bars.close()
+    # The first step, the one after each pause, and the epochs' ends (10, 20).
+    assert len(asked) == 5
+    shown = terminal.getvalue()
+    assert "10/10" in shown and "epoch 2/2" in shown and "lr 0.1" in shown
+
+
+def test_a_start_up_phase_is_timed_and_never_silent_longer_than_the_heartbeat(caplog):
+    start_up = startup.StartUp(heartbeat=0.05)
+    with caplog.at_level(logging.INFO, logger="absl"):
+        with start_up.phase("tracing the step"):
+            time.sleep(0.4)
+        with pytest.raises(ValueError), start_up.phase("restoring"):
+            raise ValueError("a damaged checkpoint")
+        beats = [r.getMessage() for r in caplog.records]
+        time.sleep(0.2)  # each phase's heartbeat ends with it
+        assert len(caplog.records) == len(beats)
+    assert len(beats) >= 3 and all(b.startswith("... tracing the step (") and
+                                   b.endswith(" s so far)") for b in beats), beats
+    seconds = start_up.seconds()
+    assert list(seconds) == ["tracing the step", "restoring"]
+    assert seconds["tracing the step"] >= 0.4 and seconds["restoring"] < 0.1
+    text = start_up.describe()
+    assert re.search(r"tracing the step 0\.[45] s, restoring 0\.0 s, the rest 0\.\d s$",
+                     text), text
+    assert start_up.since_command() >= 0.4  # (from the process's start, on Linux)
+
+
+def test_the_first_call_is_traced_then_timed_as_start_up():
+    start_up = startup.StartUp()
+    traced = []
+    with start_up.first_call(True, lambda: traced.append(1), 0, 100, xla=True):
+        pass
+    with start_up.first_call(False, lambda: traced.append(2), 100, 200, xla=True):
+        pass
+    assert traced == [1]
+    assert list(start_up.seconds()) == [
+        "tracing the step", "the first call (compiling with XLA, steps 1-100)"]
 
 
 def _bar_lines(width: int | None) -> list[str]:

@@ -387,8 +387,13 @@ def test_the_wrapper_counts_every_step_and_reports_no_step_of_a_finite_run():
                    tf.constant(3), tf.constant(0.0))
     assert float(sums[distributed.NONFINITE_AT][0]) == 0.0
     assert int(state.step.numpy()) == 3 and int(optimizer.iterations.numpy()) == 3
-    assert distributed.NONFINITE_AT not in distributed.means(
-        tf.nest.map_structure(lambda t: t.numpy(), sums))  # (the loop's, not a metric)
+    # The counter as the call left it, read in its graph (the loop checks it there).
+    assert float(sums[distributed.STEP_COUNTER][0]) == 3.0
+    sums, _ = loop(iter(strategy.experimental_distribute_dataset(dataset)),
+                   tf.constant(2), tf.constant(0.0))
+    assert float(sums[distributed.STEP_COUNTER][0]) == 5.0
+    means = distributed.means(tf.nest.map_structure(lambda t: t.numpy(), sums))
+    assert not set(distributed.LOOP_KEYS) & set(means)  # (the loop's, not metrics)
 
 
 # --- metrics the wrapper sums -------------------------------------------------------

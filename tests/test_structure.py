@@ -1,7 +1,9 @@
 """The structure figures of issue 44, kept true: no import circle among trainer/,
 models/ and data/ (every import statement counts, also those inside functions), at
 most 2 project imports inside functions, at most 12 functions taking the whole
-run `config`, `train_and_evaluate` at most 180 lines, `Task` at most 22 public
+run `config`, `train_and_evaluate` at most 188 lines (issue 44's 180, and issue
+53's start-up phases: each block before the first step is a named, timed phase
+with a line every 10 s, `with start_up.phase("restoring"):`), `Task` at most 22 public
 members (issue 44's 20, and issue 45's two new contracts: `train_steps`, several
 steps on a schedule, and `streams`, several input streams), a step setting named on at most 3 lines. Read from the source alone (as
 `python3 ../shared/tools/structure.py .` does): nothing is imported."""
@@ -94,9 +96,9 @@ def test_the_whole_config_reaches_at_most_twelve_functions():
     assert len(taking) <= 12, taking
 
 
-def test_the_loop_reads_in_at_most_180_lines_and_the_task_contract_has_22_members():
+def test_the_loop_reads_in_at_most_188_lines_and_the_task_contract_has_22_members():
     loop = max(f.end_lineno - f.lineno + 1 for f in _functions("trainer.loop"))
-    assert loop <= 180
+    assert loop <= 188
     task = next(node for node in MODULES["trainer.tasks.base"][1].body
                 if isinstance(node, ast.ClassDef) and node.name == "Task")
     members = set()

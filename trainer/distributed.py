@@ -22,7 +22,8 @@ SUM = tf.distribute.ReduceOp.SUM
 INPUT_WAIT = "input_wait_seconds"  # the loop's own entries in a train loop's sums
 NONFINITE_AT = "_nonfinite_at_step"  # (first step leaving a non-finite weight or 0, 1)
 STEPS_DONE = "_steps_done"  # (steps run: num_steps, or fewer after a stop request; 1)
-LOOP_KEYS = (INPUT_WAIT, NONFINITE_AT, STEPS_DONE)
+STEP_COUNTER = "_step_counter"  # (the state's step counter after the call, 1), with a state
+LOOP_KEYS = (INPUT_WAIT, NONFINITE_AT, STEPS_DONE, STEP_COUNTER)
 Metric = tuple[tf.Tensor, tf.Tensor]  # (total, weight): shown as total / weight
 Sums = dict[str, Metric]
 
@@ -231,7 +232,8 @@ def make_train_loop(strategy: tf.distribute.Strategy, replica_fn, jit_compile: b
     timestamps; it is process-wide once enabled); sums[STEPS_DONE] is (the steps
     run, 1). state: the run's TrainState, whose step counter advances after every
     step; sums[NONFINITE_AT] is then (the first step whose end left a weight
-    non-finite, 0 if none; 1).
+    non-finite, 0 if none; 1), and sums[STEP_COUNTER] (the counter after the call,
+    1): read in the call's own graph, so the loop checks it without an eager read.
 
     replica_fn: the per-replica step fn(batch) -> {name: (total, weight)}, or a
     schedule of several (trainer/step.py's Steps, bound to a batch: anything with
@@ -274,8 +276,10 @@ def make_train_loop(strategy: tf.distribute.Strategy, replica_fn, jit_compile: b
             stop_now)
         timed = tf.cast(steps_done if time_input else 0, tf.float64)
         one = tf.constant(1.0, tf.float64)
+        counter = ({STEP_COUNTER: (tf.cast(state.step.read_value(), tf.float64), one)}
+                   if state is not None else {})
         return {**sums, INPUT_WAIT: (waited, timed), NONFINITE_AT: (nonfinite_at, one),
-                STEPS_DONE: (tf.cast(steps_done, tf.float64), one)}, stop
+                STEPS_DONE: (tf.cast(steps_done, tf.float64), one), **counter}, stop
 
     return train_loop
 

@@ -70,11 +70,12 @@ def diverged(what: str, last_checkpoint: str | None, advice: str
 
 
 def check_steps(nonfinite_at: int, skipped: int, on_nan: str, first: int, last: int,
-                state, last_checkpoint: str | None) -> None:
+                state, last_checkpoint: str | None, counted: int | None = None) -> None:
     """TrainingDivergedError if steps `first`..`last` left a weight non-finite
     (`nonfinite_at`: the step; no copy undoes it: stop before anything is saved),
     or skipped `skipped` updates for a non-finite loss or gradient under
-    --on_nan=stop; the step counter must have advanced once a step."""
+    --on_nan=stop; the step counter (`counted`, as the loop call returned it; None:
+    read from the state) must have advanced once a step."""
     if nonfinite_at:
         raise diverged(f"step {nonfinite_at} left a weight non-finite "
                        f"({', '.join(state.nonfinite()[:3])})", last_checkpoint,
@@ -84,7 +85,8 @@ def check_steps(nonfinite_at: int, skipped: int, on_nan: str, first: int, last: 
                        f"{first}-{last} (those updates were not applied)",
                        last_checkpoint, "lower the learning rate, or pass "
                        "--on_nan=skip_step")
-    counted = int(state.step.numpy())
+    if counted is None:
+        counted = int(state.step.numpy())
     if counted != last:
         raise RuntimeError(f"the step counter must advance once per step, by the "
                            f"wrapper alone (at step {last} it is {counted}): a task's "

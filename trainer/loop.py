@@ -4,6 +4,8 @@ evaluate / checkpoint, then the final outputs. The math of one step is the task'
 (trainer/step.py by default); running it on every replica is
 trainer/distributed.py.
 """
+import contextlib
+import functools
 import os
 import sys
 from typing import IO
@@ -18,7 +20,7 @@ from trainer import flops, inputs, provenance, run_dir, schedules
 from trainer import strategy as strategy_lib
 from trainer import config as config_lib
 from trainer.config import Config
-from trainer.output import figures, histograms, hparams
+from trainer.output import figures, histograms, hparams, startup
 from trainer.output import recorder as recorder_lib
 from trainer.output import progress as progress_lib
 
@@ -46,6 +48,13 @@ def _next_stop(step: int, total: int, steps_per_loop: int, *intervals: int,
     return min(stops)
 
 
+@functools.lru_cache(maxsize=16)
+def _steps_tensor(steps: int) -> tf.Tensor:
+    """A loop call's step count as a tensor, made once per value (an eager op a
+    call otherwise, at --steps_per_loop=1 a step)."""
+    return tf.constant(steps)
+
+
 def train_and_evaluate(config: Config, display: IO | None = None,
                        stop_signals: faults.StopSignals | None = None,
                        extra_callbacks: tuple = ()) -> dict:
@@ -55,16 +64,19 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     stderr); stop_signals: the command's watcher (default: one for the steps);
     extra_callbacks: beside the run's own (trainer/callbacks.py), e.g. lr_find's."""
     stop_signals = stop_signals or faults.StopSignals()
-    since_start = progress_lib.Stopwatch()  # for the time to the first step
+    # The time to the first step, phase by phase, and a line every 10 s in each.
+    start_up = startup.StartUp()
     # --- Devices, precision, seeds --------------------------------------------------
-    runtime = strategy_lib.set_up(config.group(strategy_lib.DeviceSettings),
-                                  config.deterministic, config.seed)
+    with start_up.phase("setting up the devices"):
+        runtime = strategy_lib.set_up(config.group(strategy_lib.DeviceSettings),
+                                      config.deterministic, config.seed)
     strategy, precision, jit = runtime.strategy, runtime.precision, runtime.jit
     is_chief, task_id = strategy_lib.worker_role(strategy)
 
     # --- How much data, how many steps ----------------------------------------------
     run_dir.check_previous_run(config.model_dir, config.as_dict())  # (reads only)
-    data = build.run_data(config)
+    with start_up.phase("reading the dataset's description"):
+        data = build.run_data(config)
     spec = data.spec
     plan = build.plan(config, spec, runtime.num_replicas)
     profile = config.group(config_lib.LoopSettings).profile_range(plan.total_steps)
@@ -76,7 +88,8 @@ def train_and_evaluate(config: Config, display: IO | None = None,
     # --- Task, state and checkpoint, built under the strategy -------------------------
     # (trainer/build.py, as every command builds them; a task that does not fit the
     # model or the data stops here, before anything is written to model_dir)
-    run = build.build_run(config, spec, plan, strategy, precision)
+    with start_up.phase("building the model and the step"):
+        run = build.build_run(config, spec, plan, strategy, precision)
     task, state, schedule = run.task, run.state, run.schedule
     where = provenance.collect(f"{runtime.name}: {runtime.num_replicas} x "
                                f"{runtime.device_kind}")
@@ -89,11 +102,12 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                                         else [])]
     run_callbacks = callbacks_lib.for_run(config, task, tensorboard, extra_callbacks)
     # The step's arithmetic, counted once, for the GFLOP/s of every log line.
-    flops_per_image = build.training_flops_per_image(run)
-    peak = (flops.run_peak_flops(precision, strategy, runtime.device_kind)
-            if config.measure_peak else 0.0)
+    with start_up.phase("counting the step's FLOPs"):
+        flops_per_image = build.training_flops_per_image(run)
+        peak = (flops.run_peak_flops(precision, strategy, runtime.device_kind)
+                if config.measure_peak else 0.0)
     progress_lib.log_setup(run, runtime, flops_per_image, peak)
-    with strategy.scope():  # everything the state holds, all of it restored
+    with strategy.scope(), start_up.phase("restoring"):  # all the state holds
         manager = checkpoints.resume(state, run_callbacks, config.model_dir,
                                      config.keep_checkpoints, is_chief, task_id,
                                      config.async_checkpoints)
@@ -103,8 +117,9 @@ def train_and_evaluate(config: Config, display: IO | None = None,
         checkpoints.check_same_step(strategy, start_step)
 
     # --- Input pipelines: the stream resumes at the step ----------------------------
-    pipelines = inputs.distribute(strategy, data, plan.train_examples, start_step,
-                                  plan.total_steps, run.task_input)
+    with start_up.phase("preparing the input (filling the cache, if in memory)"):
+        pipelines = inputs.distribute(strategy, data, plan.train_examples, start_step,
+                                      plan.total_steps, run.task_input)
     with inputs.data_errors_explained(spec):  # only the chief draws pictures
         samples = (evaluation.load_samples(spec, data.image_shape[0], config.data_dir,
                                            config.download_data) if is_chief else None)
@@ -167,24 +182,26 @@ def train_and_evaluate(config: Config, display: IO | None = None,
             # Back in Python at every epoch's end too: the progress bar starts anew.
             stop = _next_stop(current, plan.total_steps, config.steps_per_loop,
                               plan.steps_per_epoch, *every.values(), marks=profiler.marks)
-            if current == start_step:  # (otherwise silent for a while)
-                logging.info("Tracing the step%s; the first steps follow",
-                             " and compiling it with XLA" if jit else "")
+            first_call = current == start_step  # (start-up's last phases, timed)
+            trace = lambda: train_loop.get_concrete_function(  # noqa: E731
+                train_iterator, _steps_tensor(stop - current), stop_signals.flag)
             # (profiled: one step a call, marked; a stop request: fewer steps)
-            with profiler.step(current, stop), progress_lib.Stopwatch() as watch:
-                sums, stopping = train_loop(train_iterator, tf.constant(stop - current),
+            with start_up.first_call(first_call, trace, current, stop, wrap_jit), \
+                    profiler.step(current, stop), progress_lib.Stopwatch() as watch:
+                sums, stopping = train_loop(train_iterator, _steps_tensor(stop - current),
                                             stop_signals.flag)
                 sums = tf.nest.map_structure(lambda t: t.numpy(), sums)  # waits
             stop = current + int(sums.pop(distributed.STEPS_DONE)[0])
-            if current == start_step:  # what start-up costs: building, caching, tracing
-                progress_lib.log_first_steps(current + 1, stop, since_start.elapsed(),
+            if first_call:  # what start-up cost, phase by phase
+                progress_lib.log_first_steps(current + 1, stop, start_up,
                                              train_loop, train_iterator, stop_signals.flag)
             nonfinite_at = int(sums.pop(distributed.NONFINITE_AT)[0])
+            counted = int(sums.pop(distributed.STEP_COUNTER)[0])
             skipped = progress.add(sums, stop - current, watch.seconds)
             faults.check_steps(nonfinite_at, skipped, config.on_nan, current + 1, stop,
-                               state, manager.latest_checkpoint)
+                               state, manager.latest_checkpoint, counted)
             current = stop
-            learning_rate = float(schedule(current))  # that of the next step
+            learning_rate = lambda: float(schedule(current))  # noqa: E731  (when shown)
             progress.show(current, learning_rate)
             if float(stopping) > 0 or stop_requested():
                 stop_signals.signal = stop_signals.signal or "another worker's signal"
@@ -193,7 +210,7 @@ def train_and_evaluate(config: Config, display: IO | None = None,
                                 or current == plan.total_steps)
             if due("log"):
                 run_callbacks.log(current, recorder.train(progress.log(current,
-                                                                       learning_rate)))
+                                                                       learning_rate())))
             if due("eval"):
                 record_evaluation(current)
                 evaluated_at = current

@@ -3,10 +3,11 @@ and the end say, the profiler's trace, and the weights' checksum."""
 import contextlib
 import dataclasses
 import hashlib
+import math
 import os
 import sys
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import tensorflow as tf
@@ -15,7 +16,7 @@ from absl import logging
 
 import models
 from trainer import distributed, randomness, schedules
-from trainer.output import console, progress_bar
+from trainer.output import console, progress_bar, startup
 
 
 def _duration(seconds: float) -> str:
@@ -27,6 +28,10 @@ def _duration(seconds: float) -> str:
 # longest, the skipped-update count (also a warning line) first to go.
 (_ETA, _MAIN_METRIC, _METRIC, _LEARNING_RATE, _IMAGES_PER_SECOND, _FLOPS,
  _SKIPPED) = range(7)
+
+
+SHOW_EVERY = 0.2  # seconds between the live bar's redraws (tqdm's own: 0.5)
+_clock = time.monotonic  # (a test's own clock)
 
 
 class Progress:
@@ -48,6 +53,7 @@ class Progress:
         self.bars = bars
         self._window = _Window()  # since the last log line
         self._epoch = _Window()   # since the start of the epoch, for the bar
+        self._shown_at = -math.inf  # when the bar was last drawn (time.monotonic)
 
     def add(self, sums: dict, num_steps: int, seconds: float) -> int:
         """Adds the sums of `num_steps` steps; returns how many were skipped."""
@@ -125,11 +131,21 @@ class Progress:
         steps_left = (until or self.total_steps) - step
         return _duration(steps_left * self.global_batch_size / max(rate, 1e-9))
 
-    def show(self, step: int, learning_rate: float) -> None:
+    def show(self, step: int, learning_rate: float | Callable[[], float]) -> None:
         """Updates the live bar (if any) after the steps up to `step`: the epoch's
-        running metrics, and the run's ETA at this epoch's speed."""
+        running metrics, and the run's ETA at this epoch's speed. At most every
+        SHOW_EVERY seconds, and at an epoch's or the run's end: fitting the fields
+        to the width costs more than a small model's step. learning_rate: the next
+        step's, or a function giving it (called only when the bar is drawn)."""
         if self.bars is None:
             return
+        epoch_end = step % self.steps_per_epoch == 0 or step == self.total_steps
+        now = _clock()
+        if not epoch_end and now - self._shown_at < SHOW_EVERY:
+            return
+        self._shown_at = now
+        if callable(learning_rate):
+            learning_rate = learning_rate()
         means, rate = self._epoch.means(self.global_batch_size)
         epoch_end = min(self.total_steps,
                         (step - 1) // self.steps_per_epoch * self.steps_per_epoch
@@ -350,13 +366,13 @@ def log_finished(model_dir: str, metrics: dict) -> None:
                  else "A larger --train_steps or --epochs trains it further")
 
 
-def log_first_steps(first: int, last: int, seconds: float, train_loop, iterator,
-                    stop_flag) -> None:
-    """What start-up cost (building, caching, tracing: the first steps are done
-    `seconds` after the start), and one warning line if the traced step draws with
-    a stateful random op: its numbers differ on each replica and after a resume
-    (trainer/randomness.py)."""
-    logging.info("Steps %d-%d done %.1f s after the start", first, last, seconds)
+def log_first_steps(first: int, last: int, start_up: startup.StartUp, train_loop,
+                    iterator, stop_flag) -> None:
+    """What start-up cost, phase by phase (`start_up`: since the command started),
+    and one warning line if the traced step draws with a stateful random op: its
+    numbers differ on each replica and after a resume (trainer/randomness.py)."""
+    logging.info("Steps %d-%d done %.1f s after the command started: %s", first, last,
+                 start_up.since_command(), start_up.describe())
     graph = train_loop.get_concrete_function(iterator, tf.constant(1),  # (the one traced)
                                              stop_flag).graph
     found = randomness.stateful_random_ops(graph)
