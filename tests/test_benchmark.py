@@ -105,6 +105,8 @@ def test_host_loop_benchmark_reads_ours_from_its_log_lines_and_tabulates_the_rat
     table = host.markdown(rows)
     assert "| 1 | 1 | 55.0 (50, 60, 55) | 42.0 (40, 44, 42) | 52.0 (52, 53, 51) | 0.95 | 1.24 |" \
         in table
+    rows[0]["steps_per_second"]["fit"] = [None]  # (a case whose process failed)
+    assert "| 55.0 (50, 60, 55) | failed | 52.0 (52, 53, 51) | 0.95 | - |" in host.markdown(rows)
 
 
 @pytest.mark.long(12)  # seconds, with -n 3

@@ -306,7 +306,15 @@ def main(argv: list[str]) -> None:
                 order = FLAGS.cases[round_index % len(FLAGS.cases):] + FLAGS.cases[
                     :round_index % len(FLAGS.cases)]  # (each case first in turn)
                 for case in order:
-                    rates[case].append(_run(case, steps_per_loop, replicas))
+                    if rates[case] and rates[case][-1] is None:
+                        continue  # (it failed: it fails again)
+                    try:
+                        rates[case].append(_run(case, steps_per_loop, replicas))
+                    except subprocess.CalledProcessError as err:  # (Keras' fit on 2
+                        rates[case].append(None)  # CPU devices at 100 steps/loop)
+                        print(f"replicas {replicas}, steps/loop {steps_per_loop}, {case}: "
+                              f"failed: {_last_error(err.stderr)}", file=sys.stderr)
+                        continue
                     print(f"replicas {replicas}, steps/loop {steps_per_loop}, {case}: "
                           f"{rates[case][-1]:.1f} steps/s", file=sys.stderr, flush=True)
             rows.append({"replicas": replicas, "steps_per_loop": steps_per_loop,
@@ -318,16 +326,23 @@ def main(argv: list[str]) -> None:
                                         "warmup_steps": FLAGS.warmup_steps})
 
 
+def _last_error(stderr: str | None) -> str:
+    lines = [line for line in (stderr or "").splitlines() if "Error" in line]
+    return lines[-1][:300] if lines else "(no error line)"
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| replicas | steps/loop | " + " | ".join(
         f"{case} steps/s" for case in rows[0]["steps_per_second"]) + " | ours/bare | ours/fit |",
         "| ---: | ---: |" + " ---: |" * (len(rows[0]["steps_per_second"]) + 2)]
     for row in rows:
-        median = {case: statistics.median(r) for case, r in row["steps_per_second"].items()}
+        median = {case: statistics.median(r) for case, r in row["steps_per_second"].items()
+                  if r and None not in r}
         ratio = lambda other: (f"{median['ours'] / median[other]:.2f}"  # noqa: E731
                                if "ours" in median and other in median else "-")
         lines.append(f"| {row['replicas']} | {row['steps_per_loop']} | " + " | ".join(
             f"{median[case]:.1f} ({', '.join(f'{r:.0f}' for r in rates)})"
+            if case in median else "failed"
             for case, rates in row["steps_per_second"].items())
             + f" | {ratio('bare')} | {ratio('fit')} |")
     return "\n".join(lines)
