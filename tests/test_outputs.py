@@ -116,11 +116,11 @@ def test_a_start_up_phase_is_timed_and_never_silent_longer_than_the_heartbeat(ca
                                    b.endswith(" s so far)") for b in beats), beats
     seconds = start_up.seconds()
     assert list(seconds) == ["tracing the step", "restoring"]
-    assert seconds["tracing the step"] >= 0.4 and seconds["restoring"] < 0.1
+    assert seconds["tracing the step"] >= 0.4  # (lower bounds only: a loaded machine)
     text = start_up.describe()
-    assert re.search(r"tracing the step 0\.[45] s, restoring 0\.0 s, the rest 0\.\d s$",
+    assert re.search(r"tracing the step \d+\.\d s, restoring \d+\.\d s, the rest \d+\.\d s$",
                      text), text
-    assert start_up.since_command() >= 0.4  # (from the process's start, on Linux)
+    assert start_up.since_command() >= 0.4  # (from the command's start)
 
 
 def test_the_first_call_is_traced_then_timed_as_start_up():

@@ -2,8 +2,12 @@
 import os as _os
 import signal as _signal
 import sys as _sys
+import time as _time
 
 # trainer/faults.py's status for a stop signal (EX_TEMPFAIL: "try again").
+# When the package was first imported: the start of a command, before TensorFlow
+# loads (trainer/output/startup.py counts the time to the first step from it).
+STARTED_AT = _time.perf_counter()
 STOPPED_EXIT_CODE = 75
 STOP_SIGNALS = (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP)
 # The commands that are programs with a start-up worth a line (TensorFlow loads).

@@ -3,12 +3,13 @@ HEARTBEAT seconds while a phase runs (building a large model, filling the cache,
 tracing, compiling: no one waits in silence), and the time each phase took, in
 the line that reports the first steps."""
 import contextlib
-import os
 import threading
 import time
 from typing import Callable, Iterator
 
 from absl import logging
+
+import trainer
 
 HEARTBEAT = 10.0  # seconds: the longest a phase runs without a line
 
@@ -65,11 +66,9 @@ class StartUp:
         return totals
 
     def since_command(self) -> float:
-        """Seconds since the process started (where /proc says; else since this
-        object was made)."""
-        here = time.perf_counter() - self.started
-        age = process_age()
-        return max(here, age) if age is not None else here
+        """Seconds since the command started (process_age), at least since this
+        object was made."""
+        return max(time.perf_counter() - self.started, process_age())
 
     def describe(self) -> str:
         """'loading Python and TensorFlow 9.8 s, setting up the devices 0.1 s, ...,
@@ -84,13 +83,7 @@ class StartUp:
                           f"the rest {max(0.0, other):.1f} s"])
 
 
-def process_age() -> float | None:
-    """Seconds since this process started, from Linux's /proc (None elsewhere)."""
-    try:
-        with open("/proc/self/stat") as stat:  # field 22: start time, clock ticks after boot
-            started = int(stat.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as uptime:
-            booted = float(uptime.read().split()[0])
-        return max(0.0, booted - started / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return None
+def process_age() -> float:
+    """Seconds since the command started: since the trainer package was first
+    imported, before TensorFlow (the interpreter's own start, tens of ms, aside)."""
+    return time.perf_counter() - trainer.STARTED_AT
