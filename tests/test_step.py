@@ -582,3 +582,37 @@ def test_a_held_back_update_does_not_advance_its_optimizers_iterations():
     assert int(held_optimizer.iterations.numpy()) == 2
     for a, b in zip(held.get_weights(), plain.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_loop_holds_the_step_once_and_a_call_of_one_step_runs_one():
+    """The graph the first call optimizes holds one call of the step (a first step
+    peeled off before the loop made two: twice the graph, twice xception's first
+    call); a call given 1 step runs 1, given 3 runs 3; a total whose shape varies
+    from batch to batch is one line."""
+    from trainer.settings import message_of
+    strategy = _one_device()
+    dataset = tf.data.Dataset.from_tensors(_batch()).repeat()
+    loop = distributed.make_train_loop(
+        strategy, lambda batch: {"special": (tf.math.bessel_i0e(1.0), 1.0)})
+    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+    graph = loop.get_concrete_function(iterator, tf.constant(1), tf.constant(0.0)).graph
+    definition = graph.as_graph_def()
+    bodies = {f.signature.name: f.node_def for f in definition.library.function}
+    with_step = {name for name, nodes in bodies.items()
+                 if any(n.op == "BesselI0e" for n in nodes)}
+    assert len(with_step) == 1, with_step  # traced once
+    calls = [n for nodes in [definition.node, *bodies.values()] for n in nodes
+             if n.op in ("PartitionedCall", "StatefulPartitionedCall")
+             and n.attr["f"].func.name in with_step]
+    assert len(calls) == 1, [n.name for n in calls]  # and called from one place
+    for steps in (1, 3):
+        sums, _ = loop(iterator, tf.constant(steps), tf.constant(0.0))
+        assert int(sums[distributed.STEPS_DONE][0]) == steps
+        assert float(sums["special"][1]) == steps
+    varying = distributed.make_train_loop(
+        strategy, lambda batch: {"ragged": (tf.zeros([tf.size(tf.unique(
+            tf.reshape(batch["label"], [-1]))[0])]), 1.0)})
+    with pytest.raises(distributed.StepContractError) as raised:
+        varying(iter(strategy.experimental_distribute_dataset(dataset)), tf.constant(1),
+                tf.constant(0.0))
+    assert "varies from batch to batch" in message_of(raised.value)

@@ -163,8 +163,8 @@ def _run_steps(strategy: tf.distribute.Strategy, replica_fns: list[Callable], it
         return tf.switch_case(choose(state.step.read_value()),
                               [branch(step_fn) for step_fn in step_fns])
 
-    # A function of its own, so the first step and the loop's body call one graph:
-    # the step (forward, gradients, optimizer) is traced once, not twice.
+    # A function of its own, traced once: its outputs' structure gives the loop's
+    # variables their start (zeros), and the loop's body is its one call site.
     @tf.function
     def one_step(previous_done: tf.Tensor):
         if time_input:
@@ -187,20 +187,36 @@ def _run_steps(strategy: tf.distribute.Strategy, replica_fns: list[Callable], it
             done = tf.identity(previous_done)  # ready once this step's sums are
         return totals, waited, nonfinite_at, done
 
-    # The first step fixes the structure the step returns (the loop's variables).
-    totals, waited, first_nonfinite, done = one_step(tf.constant(0.0, tf.float64))
-    steps_done = tf.constant(1)
+    # The step is not run once before the loop to learn what it returns (a peeled
+    # first step): the graph would hold the step twice, and the first call's graph
+    # optimization costs in proportion (twice the seconds on xception). A trace
+    # tells the structure; the sums start at zero.
+    outputs = one_step.get_concrete_function(
+        tf.TensorSpec([], tf.float64)).structured_outputs
+    for total in tf.nest.flatten(outputs[0]):
+        if not total.shape.is_fully_defined():
+            raise StepContractError(
+                f"a step returned a metric of shape {total.shape}, which varies from "
+                f"batch to batch; a metric's total must have one shape at every step")
+    totals = tf.nest.map_structure(lambda t: tf.zeros(t.shape, t.dtype), outputs[0])
+    waited = tf.constant(0.0, tf.float64)
+    first_nonfinite = tf.constant(0.0, tf.float64)
+    done = tf.constant(0.0, tf.float64)
+    steps_done = tf.constant(0)
     # A stop request ends the loop at the next step boundary, however many steps
     # the call was given: the save follows at once (trainer/faults.py). Asked at
     # the end of each step and tested in the loop's condition (a `break` would put
-    # the step under a cond: no collective may run there).
+    # the step under a cond: no collective may run there). The first step runs
+    # whatever the flag says (a call runs at least one): the condition's first
+    # test sees no answer yet.
     # (after the step's sums exist, so in one order with its collectives on every
-    # worker; the first step ran whatever the flag said: a call runs at least one)
+    # worker)
     def ask() -> tf.Tensor:
         with tf.control_dependencies([done]):
-            return stop_now() if stop_now is not None else tf.constant(0.0)
+            return (tf.cast(stop_now(), tf.float32) if stop_now is not None
+                    else tf.constant(0.0))
 
-    stopping = ask()
+    stopping = tf.constant(0.0)
     while tf.logical_and(steps_done < num_steps, stopping <= 0):
         step_totals, step_waited, nonfinite_at, done = one_step(done)
         totals = tf.nest.map_structure(tf.add, totals, step_totals)
