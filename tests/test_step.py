@@ -616,3 +616,23 @@ def test_the_loop_holds_the_step_once_and_a_call_of_one_step_runs_one():
         varying(iter(strategy.experimental_distribute_dataset(dataset)), tf.constant(1),
                 tf.constant(0.0))
     assert "varies from batch to batch" in message_of(raised.value)
+
+
+def test_a_step_keeps_autograph_under_the_unconverted_loop():
+    """The loops are traced without AutoGraph (start-up); a step's own Python `if`
+    and `for` on tensors are still converted, one replica and two."""
+    def branchy(batch):
+        total = tf.constant(0.0)
+        for _ in tf.range(3):  # a graph loop only under AutoGraph
+            total += 1.0
+        if tf.reduce_sum(batch["label"]) >= 0:  # a cond only under AutoGraph
+            total += 10.0
+        return {"branchy": (total, 1.0)}
+
+    for strategy in (_one_device(), mirrored()):
+        dataset = tf.data.Dataset.from_tensors(_batch()).repeat()
+        loop = distributed.make_train_loop(strategy, branchy)
+        sums, _ = loop(iter(strategy.experimental_distribute_dataset(dataset)),
+                       tf.constant(2), tf.constant(0.0))
+        replicas = strategy.num_replicas_in_sync
+        assert float(sums["branchy"][0]) == 13.0 * 2 * replicas

@@ -32,6 +32,10 @@ class StepContractError(ConfigError):
     """A step returned something the wrapper cannot sum (one line, exit 2)."""
 
 
+# Not converted by AutoGraph (tf.autograph.experimental.do_not_convert): library
+# code with no Python branch on a tensor and no user code below it, whose
+# conversion would add to every start-up's trace.
+@tf.autograph.experimental.do_not_convert
 def summable(metrics, source: str = "the step", reserved: tuple[str, ...] = ()) -> Sums:
     """`metrics` checked and made tensors: a Python number (e.g. the weight 1.0 of
     a per-step value) becomes a tensor of this replica's, which strategy.reduce can
@@ -203,27 +207,31 @@ def _run_steps(strategy: tf.distribute.Strategy, replica_fns: list[Callable], it
     first_nonfinite = tf.constant(0.0, tf.float64)
     done = tf.constant(0.0, tf.float64)
     steps_done = tf.constant(0)
-    # A stop request ends the loop at the next step boundary, however many steps
-    # the call was given: the save follows at once (trainer/faults.py). Asked at
-    # the end of each step and tested in the loop's condition (a `break` would put
-    # the step under a cond: no collective may run there). The first step runs
-    # whatever the flag says (a call runs at least one): the condition's first
-    # test sees no answer yet.
-    # (after the step's sums exist, so in one order with its collectives on every
-    # worker)
-    def ask() -> tf.Tensor:
-        with tf.control_dependencies([done]):
-            return (tf.cast(stop_now(), tf.float32) if stop_now is not None
-                    else tf.constant(0.0))
 
-    stopping = tf.constant(0.0)
-    while tf.logical_and(steps_done < num_steps, stopping <= 0):
+    def more(totals, waited, first_nonfinite, done, steps_done, stopping):
+        return tf.logical_and(steps_done < num_steps, stopping <= 0)
+
+    def body(totals, waited, first_nonfinite, done, steps_done, stopping):
         step_totals, step_waited, nonfinite_at, done = one_step(done)
         totals = tf.nest.map_structure(tf.add, totals, step_totals)
-        waited += step_waited
         first_nonfinite = tf.where(first_nonfinite > 0, first_nonfinite, nonfinite_at)
-        steps_done += 1
-        stopping = ask()
+        # A stop request ends the loop at the next step boundary, however many steps
+        # the call was given: the save follows at once (trainer/faults.py). Asked
+        # here, after the step's sums exist (so in one order with its collectives on
+        # every worker), and tested in the loop's condition (a `break` would put the
+        # step under a cond: no collective may run there). The first step runs
+        # whatever the flag says (a call runs at least one).
+        with tf.control_dependencies([done]):
+            stopping = (tf.cast(stop_now(), tf.float32) if stop_now is not None
+                        else tf.constant(0.0))
+        return (totals, waited + step_waited, first_nonfinite, done, steps_done + 1,
+                stopping)
+
+    # (a tf.while_loop, not a Python while: the loops below are not converted by
+    # AutoGraph, whose conversion of this function cost a second of every start-up;
+    # one_step, a tf.function, converts itself and the task's code it calls)
+    totals, waited, first_nonfinite, done, steps_done, stopping = tf.while_loop(
+        more, body, (totals, waited, first_nonfinite, done, steps_done, tf.constant(0.0)))
     return totals, waited, first_nonfinite, steps_done, stopping
 
 
@@ -277,7 +285,7 @@ def make_train_loop(strategy: tf.distribute.Strategy, replica_fn, jit_compile: b
     # own flag is the answer. Several workers: the sum of theirs.
     several_workers = strategy_lib.is_multi_worker(strategy)
 
-    @tf.function
+    @tf.function(autograph=False)  # (see _run_steps' while_loop)
     def train_loop(iterator, num_steps: tf.Tensor, stop_flag):
         def summed_flag():
             return strategy.reduce(SUM, strategy.run(lambda: tf.identity(stop_flag)),
@@ -305,7 +313,7 @@ def make_eval_loop(strategy: tf.distribute.Strategy, replica_fn: Callable,
     """Returns eval_loop(iterator, num_steps) -> sums."""
     replica_fn = _maybe_jit(replica_fn, jit_compile)
 
-    @tf.function
+    @tf.function(autograph=False)
     def eval_loop(iterator, num_steps: tf.Tensor) -> Sums:
         return _run_steps(strategy, [replica_fn], iterator, num_steps)[0]  # all of them
 

@@ -280,10 +280,15 @@ def create(settings: OptimizerSettings | str, learning_rate, variables,
     return optimizer
 
 
+# Not converted by AutoGraph (tf.autograph.experimental.do_not_convert): library
+# code with no Python branch on a tensor and no user code below it, whose
+# conversion would add to every start-up's trace.
+@tf.autograph.experimental.do_not_convert
 def loss_scaled(optimizer: keras.optimizers.Optimizer) -> bool:
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
+@tf.autograph.experimental.do_not_convert
 def unscale(optimizer: keras.optimizers.Optimizer, gradients: list) -> list:
     """Gradients of the scaled loss -> gradients of the loss (mixed_float16)."""
     if not loss_scaled(optimizer):
@@ -298,6 +303,7 @@ def float_state(optimizer: keras.optimizers.Optimizer) -> list:
     return [v for v in inner.variables if tf.as_dtype(v.dtype).is_floating]
 
 
+@tf.autograph.experimental.do_not_convert
 def apply_or_skip(optimizer: keras.optimizers.Optimizer, gradients: list, variables,
                   apply: tf.Tensor) -> None:
     """In a replica context: applies `gradients` (summed over replicas, unscaled) if

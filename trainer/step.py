@@ -193,6 +193,10 @@ class Steps:
         return f"{listed}{', repeated' if self.repeat else ''}"
 
 
+# Not converted by AutoGraph (tf.autograph.experimental.do_not_convert): library
+# code with no Python branch on a tensor and no user code below it, whose
+# conversion would add to every start-up's trace.
+@tf.autograph.experimental.do_not_convert
 def per_step(value) -> Metric:
     """A metric that is one value per step, the same on every replica (computed
     after the all-reduce, like grad_norm): shown as that value, averaged over the
@@ -200,6 +204,7 @@ def per_step(value) -> Metric:
     return tf.cast(value, tf.float32), tf.constant(1.0)
 
 
+@tf.autograph.experimental.do_not_convert
 def global_mean(per_example_loss: tf.Tensor, options: StepOptions) -> tf.Tensor:
     # Divide by the GLOBAL batch, not this replica's share: the replicas' gradients
     # are summed, so the sum is the gradient of the global-batch mean.
@@ -243,6 +248,7 @@ def replica_gradients(objective: Objective, batch: dict, options: StepOptions):
     return gradients, sums
 
 
+@tf.autograph.experimental.do_not_convert
 def all_reduce_sum(values):
     """THE cross-replica sum (of a tensor or a list of them), in a replica context."""
     return tf.distribute.get_replica_context().all_reduce(SUM, values)
