@@ -327,6 +327,26 @@ def test_tf_flowers_validation_split_sizes():
     assert spec.num_classes == 5 and spec.eval_split == "validation"
 
 
+def test_a_split_is_counted_from_the_description_as_loading_counts_it(tmp_path):
+    """sources.count (start-up: no dataset built) gives load's count, for a whole
+    split, a held-out one and its rest, a sub-split and generated data; data that
+    is not there is load's one-line error."""
+    import os
+    if not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR") or "", "cifar10")):
+        pytest.skip("the prepared TFDS data dir is not in TFDS_DATA_DIR")
+    cases = [(sources.get_spec("cifar10"), "train"), (sources.get_spec("cifar10"), "test"),
+             (sources.get_spec("cifar10", eval_split="train[:10%]"), "train[:10%]"),
+             (sources.get_spec("tf_flowers"), "train"),
+             (sources.get_spec("tf_flowers"), "validation"),
+             (sources.get_spec("synthetic"), "train")]
+    for spec, split in cases:
+        assert sources.count(spec, split) == sources.load(spec, split)[1], (spec.name, split)
+    assert sources.count(sources.get_spec("tf_flowers"), "validation") == 551
+    with pytest.raises(sources.DatasetError) as err:
+        sources.count(sources.get_spec("cifar10"), "train", data_dir=str(tmp_path))
+    assert "\n" not in str(err.value) and str(tmp_path) in str(err.value)
+
+
 def test_flip_saturation_keeps_grey_pixels_and_shape():
     grey = tf.fill((4, 6, 6, 3), tf.constant(100, tf.uint8))
     out, _ = augment.flip_saturation(grey, tf.zeros(4, tf.int32), SEED)

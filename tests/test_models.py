@@ -161,7 +161,10 @@ def test_airbench_small_flops_are_its_convolutions_and_head():
         elif isinstance(layer, keras.layers.Dense):
             analytic += 2 * np.prod(layer.kernel.shape)
     assert 35e6 < analytic < 45e6  # (the first 3x3 convolution alone: 13.3 M)
+    before = [v.numpy().copy() for v in model.variables]
     assert flops.forward_flops_of(model) == pytest.approx(analytic, rel=0.05)
+    # (the run's own model, traced, never run: weights and statistics untouched)
+    assert all(np.array_equal(b, v.numpy()) for b, v in zip(before, model.variables))
 
 
 @pytest.mark.parametrize("name", models.names())

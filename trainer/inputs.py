@@ -97,7 +97,8 @@ class RunData:
 
     def counts(self) -> tuple[int, int]:
         """(training examples, evaluation examples)."""
-        return tuple(self.load(split)[1]
+        return tuple(sources.count(self.spec, split, self.settings.data_dir,
+                                   self.settings.download_data)
                      for split in (self.spec.train_split, self.spec.eval_split))
 
 
