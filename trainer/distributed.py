@@ -32,9 +32,8 @@ class StepContractError(ConfigError):
     """A step returned something the wrapper cannot sum (one line, exit 2)."""
 
 
-# Not converted by AutoGraph (tf.autograph.experimental.do_not_convert): library
-# code with no Python branch on a tensor and no user code below it, whose
-# conversion would add to every start-up's trace.
+# do_not_convert: no Python branch on a tensor, no task code below (start-up time;
+# docs/changing-the-step.md).
 @tf.autograph.experimental.do_not_convert
 def summable(metrics, source: str = "the step", reserved: tuple[str, ...] = ()) -> Sums:
     """`metrics` checked and made tensors: a Python number (e.g. the weight 1.0 of

@@ -280,9 +280,8 @@ def create(settings: OptimizerSettings | str, learning_rate, variables,
     return optimizer
 
 
-# Not converted by AutoGraph (tf.autograph.experimental.do_not_convert): library
-# code with no Python branch on a tensor and no user code below it, whose
-# conversion would add to every start-up's trace.
+# do_not_convert: no Python branch on a tensor, no task code below (start-up time;
+# docs/changing-the-step.md).
 @tf.autograph.experimental.do_not_convert
 def loss_scaled(optimizer: keras.optimizers.Optimizer) -> bool:
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)

@@ -122,9 +122,8 @@ def random_state(model: keras.Model) -> list:
     return [v.value for v in model.variables if "seed_generator_state" in v.path]
 
 
-# Not converted by AutoGraph (tf.autograph.experimental.do_not_convert): library
-# code with no Python branch on a tensor and no user code below it, whose
-# conversion would add to every start-up's trace.
+# do_not_convert: no Python branch on a tensor, no task code below (start-up time;
+# docs/changing-the-step.md).
 @tf.autograph.experimental.do_not_convert
 def moving_statistics(model: keras.Model) -> list:
     """The non-trainable float state a forward pass updates (batch-norm's moving

@@ -193,9 +193,8 @@ class Steps:
         return f"{listed}{', repeated' if self.repeat else ''}"
 
 
-# Not converted by AutoGraph (tf.autograph.experimental.do_not_convert): library
-# code with no Python branch on a tensor and no user code below it, whose
-# conversion would add to every start-up's trace.
+# do_not_convert: no Python branch on a tensor, no task code below (start-up time;
+# docs/changing-the-step.md).
 @tf.autograph.experimental.do_not_convert
 def per_step(value) -> Metric:
     """A metric that is one value per step, the same on every replica (computed

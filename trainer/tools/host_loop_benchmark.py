@@ -252,6 +252,8 @@ def _seconds(line: str) -> tuple[float, int] | None:
 def _ours(steps_per_loop: int, replicas: int, warmup: int, steps: int) -> float:
     """`python -m trainer.main`, whole; the steps between its log lines at `warmup`
     and `warmup + steps` over the seconds between them."""
+    if steps % warmup:  # (checked before the run: ours logs every `warmup` steps)
+        raise ValueError("--steps must be a multiple of --warmup_steps (ours logs there)")
     with tempfile.TemporaryDirectory() as model_dir:
         subprocess.run(
             [sys.executable, "-m", "trainer.main", *RUN_FLAGS,
@@ -260,10 +262,8 @@ def _ours(steps_per_loop: int, replicas: int, warmup: int, steps: int) -> float:
              "--eval_every=1000000", "--checkpoint_every=1000000",
              f"--model_dir={model_dir}"],
             check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        with open(os.path.join(model_dir, "log.txt")) as log:
+        with tf.io.gfile.GFile(os.path.join(model_dir, "log.txt")) as log:
             marks = dict(reversed(t) for t in map(_seconds, log) if t)
-    if steps % warmup:
-        raise ValueError("--steps must be a multiple of --warmup_steps (ours logs there)")
     return steps / (marks[warmup + steps] - marks[warmup])
 
 
